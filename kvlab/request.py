@@ -1,0 +1,78 @@
+"""One request as the engine tracks it: its tokens, how many have K/V computed, its state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.metrics import RequestMetrics
+from kvlab.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]  # the model's end-of-sequence ids (a model may have several)
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None  # own random stream; None when greedy
+    cache_salt: str | None = None
+    parent_id: str | None = None  # the id the caller used; differs for the samples of n > 1
+    index: int = 0  # which of the parent's n samples this is
+    output_token_ids: list[int] = field(default_factory=list)
+    # vLLM v1's one number of progress: tokens whose K/V are in the cache. The scheduler gives a
+    # request `num_tokens - num_computed_tokens` new tokens: a whole prompt, a chunk, or the one
+    # token sampled last step (a decode). Prefill and decode are the same thing at different sizes.
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """vLLM's finish reasons: "stop" for EOS or a stop token, "length" for a limit."""
+        sp = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in sp.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
