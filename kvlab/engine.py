@@ -7,6 +7,7 @@ engine instance: two engines in one notebook never see each other's requests or 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +16,7 @@ from tqdm.auto import tqdm
 from kvlab.config import EngineConfig
 from kvlab.inputs import parse_prompt
 from kvlab.kv_cache import KVCacheManager, allocate_kv_cache
-from kvlab.metrics import RequestMetrics
+from kvlab.metrics import RequestMetrics, StepRecord
 from kvlab.model import Transformer, load_model
 from kvlab.model_runner import ModelRunner
 from kvlab.outputs import CompletionOutput, RequestOutput
@@ -61,6 +62,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # every unfinished sample, by its own id
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
         self.num_requests_added = 0  # seeds unseeded sampling reproducibly, per engine
+        # The most recent steps, for plots; bounded so a long-lived engine does not grow.
+        self.step_trace: deque[StepRecord] = deque(maxlen=100_000)
+        self.num_steps = 0
 
     def _default_kv_tokens(self) -> int:
         if self.device.type == "cuda":
@@ -130,10 +134,13 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report every request that got a token."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        start = time.perf_counter()
+        num_decode = sum(
+            1 for r, n in sched.scheduled if r.num_computed_tokens >= r.num_prompt_tokens
+        )
         for request, _ in sched.scheduled:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
@@ -151,6 +158,18 @@ class LLMEngine:
                 self.scheduler.finish_request(request, reason)
                 request.metrics.finished_time = now
             touched[request.parent_id] = None
+        self.num_steps += 1
+        self.step_trace.append(StepRecord(
+            step=self.num_steps,
+            request_ids=[r.request_id for r, _ in sched.scheduled],
+            num_prefill_tokens=sched.num_scheduled_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_used_blocks=self.kv_cache_manager.block_pool.get_num_used_blocks(),
+            num_cached_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
+            step_time=now - start,
+        ))
         outputs = [self._make_output(pid) for pid in touched]
         for out in outputs:
             if out.finished:
@@ -181,6 +200,16 @@ class LLMEngine:
         )
 
     # ---- what the notebooks read ------------------------------------------------------------
+    def memory_map(self) -> list[tuple[str | None, int]]:
+        """Who holds each physical block now, and how many of its slots hold tokens."""
+        return self.kv_cache_manager.memory_map(
+            {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
+        )
+
+    def block_tables(self) -> dict[str, list[int]]:
+        return {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id)
+                for r in self.scheduler.running}
+
     def stats(self) -> dict:
         pool = self.kv_cache_manager.block_pool
         return {

@@ -98,5 +98,18 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [blk.block_id for blk in self.req_to_blocks.get(request_id, [])]
 
+    def memory_map(self, num_tokens: dict[str, int]) -> list[tuple[str | None, int]]:
+        """For each physical block in address order: (owner request id or None, slots filled).
+
+        `num_tokens` gives each request's tokens in the cache; a block past them is held but
+        empty (reservation), and the unfilled part of a request's last block is internal waste.
+        """
+        owner: list[tuple[str | None, int]] = [(None, 0)] * self.num_blocks
+        for rid, blocks in self.req_to_blocks.items():
+            n = num_tokens.get(rid, 0)
+            for i, blk in enumerate(blocks):
+                owner[blk.block_id] = (rid, max(0, min(self.block_size, n - i * self.block_size)))
+        return owner
+
     def _note_peak(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_pool.get_num_used_blocks())

@@ -33,3 +33,18 @@ class RequestMetrics:
         """Inter-token latencies: the gaps between consecutive generated tokens."""
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class StepRecord:
+    """One engine step, for Gantt charts and memory plots."""
+
+    step: int
+    request_ids: list[str]  # who ran in this step
+    num_prefill_tokens: int  # prompt (or recomputed) tokens
+    num_decode_tokens: int  # one per request that was generating
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_cached_tokens: int  # tokens whose K/V the pool holds after the step
+    step_time: float  # seconds, schedule + forward + sample

@@ -1,0 +1,68 @@
+"""Greedy kvlab output equals transformers `generate` on the same weights, whatever the knobs."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_no_blocks_held
+
+from kvlab import LLM, SamplingParams
+
+N_NEW = 16
+GREEDY = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
+
+
+def lengths_for(block_size: int) -> list[int]:
+    """The block-boundary cases: 1, block_size - 1, block_size, block_size + 1, and a long one."""
+    return sorted({1, max(1, block_size - 1), block_size, block_size + 1, 300})
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("block_size", [1, 2, 16, 64])
+def test_greedy_matches_transformers(block_size, kv_layout, text_ids, hf_greedy):
+    # All boundary lengths in one batch: mixed prefill lengths share the steps.
+    prompts = [text_ids[:n] for n in lengths_for(block_size)]
+    llm = LLM(block_size=block_size, kv_layout=kv_layout, max_model_len=512,
+              kv_cache_tokens=4096)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(prompt, N_NEW), f"prompt length {len(prompt)}"
+        assert out.outputs[0].finish_reason == "length"
+    assert_no_blocks_held(llm)
+
+
+def test_paged_equals_contiguous_equals_reference_attention(text_ids):
+    prompts = [{"prompt_token_ids": text_ids[i : i + 20 + 9 * i]} for i in range(6)]
+    results = []
+    for layout, backend in [("paged", "auto"), ("contiguous", "auto"), ("paged", "reference")]:
+        llm = LLM(block_size=8, kv_layout=layout, attention_backend=backend, max_model_len=256,
+                  kv_cache_tokens=2048)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
+        assert_no_blocks_held(llm)
+    assert results[0] == results[1] == results[2]
+
+
+def test_chunked_prefill_and_static_scheduling_give_the_same_tokens(text_ids, hf_greedy):
+    prompt = text_ids[:300]
+    for kwargs in (
+        dict(max_num_batched_tokens=64),  # the prompt takes five steps
+        dict(max_num_batched_tokens=512, enable_chunked_prefill=False),
+        dict(scheduling="static", max_num_seqs=2),
+    ):
+        llm = LLM(block_size=16, max_model_len=512, kv_cache_tokens=2048, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": text_ids[:40]}] * 2,
+                            GREEDY)
+        assert outs[0].outputs[0].token_ids == hf_greedy(prompt, N_NEW), kwargs
+        assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
+        assert outs[1].outputs[0].token_ids == hf_greedy(text_ids[:40], N_NEW), kwargs
+        assert_no_blocks_held(llm)
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_outputs_exact(text_ids, hf_greedy):
+    prompts = [text_ids[i : i + 30] for i in range(0, 48, 8)]
+    llm = LLM(block_size=4, max_model_len=64, kv_cache_tokens=128)  # 6 x 46 tokens cannot fit
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert llm.stats()["num_preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(p, N_NEW)
+    assert_no_blocks_held(llm)
