@@ -111,5 +111,21 @@ class KVCacheManager:
                 owner[blk.block_id] = (rid, max(0, min(self.block_size, n - i * self.block_size)))
         return owner
 
+    def usable_free_slots(self) -> int:
+        """Free slots someone could still be given. Paged: all of them. Contiguous: only those in
+        gaps large enough for a whole max-length region; the rest is external fragmentation."""
+        free = [blk.ref_cnt == 0 for blk in self.block_pool.blocks]
+        if self.kv_layout == "paged":
+            return sum(free) * self.block_size
+        region = self.num_blocks_for(self.max_model_len)
+        usable, run = 0, 0
+        for is_free in free + [False]:  # the sentinel closes the last run
+            if is_free:
+                run += 1
+            else:
+                usable += (run // region) * region
+                run = 0
+        return usable * self.block_size
+
     def _note_peak(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_pool.get_num_used_blocks())

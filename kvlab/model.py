@@ -13,6 +13,7 @@ share one step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -160,10 +161,27 @@ def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> Lo
             f"{SUPPORTED_MODEL_TYPES}"
         )
     # sdpa: the reference `generate` then runs the same attention kernel kvlab calls.
-    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    with _quiet_progress(Path(source).is_dir()):  # a local folder loads in a second: no bar
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation="sdpa"
+        )
     hf_model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(source)
     return LoadedModel(model or PACKAGED_MODEL, hf_model, tokenizer, torch.device(device), dtype)
+
+
+@contextlib.contextmanager
+def _quiet_progress(quiet: bool):
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

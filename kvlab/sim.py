@@ -137,3 +137,28 @@ def internal_waste(lengths: list[int], block_size: int) -> float:
 def block_table_entries(lengths: list[int], block_size: int) -> float:
     """Mean block-table length per request: what small blocks cost in bookkeeping and lookups."""
     return statistics.fmean(-(-length // block_size) for length in lengths)
+
+
+def waste_breakdown(
+    held_slots: dict[str, int],
+    tokens_now: dict[str, int],
+    final_tokens: dict[str, int],
+    free_slots: int,
+    usable_free_slots: int,
+) -> dict[str, int]:
+    """Split a pool snapshot into the paper's three wastes (in slots).
+
+    - reservation: held for tokens the request will still produce;
+    - internal fragmentation: held but never to be used (the request ends first);
+    - external fragmentation: free, but in gaps too small for anyone to use.
+    """
+    used = sum(tokens_now.values())
+    reservation = sum(min(held_slots[r], final_tokens[r]) - tokens_now[r] for r in held_slots)
+    internal = sum(max(0, held_slots[r] - final_tokens[r]) for r in held_slots)
+    return {
+        "tokens": used,
+        "reservation": reservation,
+        "internal": internal,
+        "external": free_slots - usable_free_slots,
+        "free (usable)": usable_free_slots,
+    }

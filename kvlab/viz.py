@@ -40,7 +40,7 @@ def plot_kv_memory(bytes_per_token: int, seq_lens, batch_sizes, budget_bytes: fl
 
 
 def _colour(i: int):
-    return plt.get_cmap("tab20")(i % 20)
+    return plt.get_cmap("tab10")(i % 10)
 
 
 def draw_memory_map(memory_map: list[tuple[str | None, int]], block_size: int, title: str,

@@ -30,3 +30,12 @@ def test_block_size_tradeoff():
 def test_bad_layout():
     with pytest.raises(ValueError, match="layout"):
         simulate([10], "buddy")
+
+
+def test_waste_breakdown_adds_up():
+    from kvlab.sim import waste_breakdown
+
+    # One request holding a 16-slot region, 5 tokens now, 9 at the end; 8 free slots, 0 usable.
+    w = waste_breakdown({"a": 16}, {"a": 5}, {"a": 9}, free_slots=8, usable_free_slots=0)
+    assert w == {"tokens": 5, "reservation": 4, "internal": 7, "external": 8, "free (usable)": 0}
+    assert sum(w.values()) == 16 + 8

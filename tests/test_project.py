@@ -1,0 +1,56 @@
+"""The project's own files stay consistent: environments, notebooks, CI."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_environment_yml_matches_pyproject_and_makefile():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    makefile = (ROOT / "Makefile").read_text()
+    deps = env["dependencies"]
+    assert "python=3.11" in deps and "pip" in deps
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    extras = re.fullmatch(r"-e \.\[(.+)\]", next(p for p in pip if p.startswith("-e"))).group(1)
+    # conda users get every extra `make` installs.
+    assert set(extras.split(",")) == set(project["optional-dependencies"])
+    assert f"'.[{extras}]'" in makefile
+    # The same torch pin as the Makefile, inside the range pyproject allows.
+    torch_pin = next(p for p in pip if p.startswith("torch=="))
+    assert f"TORCH  := {torch_pin}" in makefile
+    assert any(d.startswith("torch>=") for d in project["dependencies"])
+    # The model package, pinned the same way in the Makefile and the conda instructions.
+    model = re.search(r"MODEL\s+:= (\S+)", makefile).group(1)
+    assert model in (ROOT / "environment.yml").read_text()
+    python_min = project["requires-python"].removeprefix(">=")
+    assert tuple(map(int, python_min.split("."))) <= (3, 11)
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in ci and "make test" in readme and "make lab" in readme
+
+
+def test_notebooks_are_committed_executed_and_clean():
+    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert len(notebooks) >= 2
+    for path in notebooks:
+        nb = json.loads(path.read_text())
+        assert nb["metadata"]["kernelspec"]["name"] == "python3", path.name
+        assert "widgets" not in nb["metadata"], f"{path.name}: strip metadata.widgets"
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        counts = [c["execution_count"] for c in code]
+        assert all(counts) and counts == sorted(counts), f"{path.name}: run top to bottom"
+        for c in code:
+            assert not any(o["output_type"] == "error" for o in c["outputs"]), path.name
+            assert "application/vnd.jupyter.widget-view+json" not in json.dumps(c["outputs"]) or \
+                "NBVAL_IGNORE_OUTPUT" in "".join(c["source"]), f"{path.name}: widget output unchecked"
