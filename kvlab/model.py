@@ -160,6 +160,10 @@ def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> Lo
             f"{source}: model_type {config.model_type!r} is not supported; kvlab runs "
             f"{SUPPORTED_MODEL_TYPES}"
         )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {config.hidden_act!r}; kvlab's MLP is SwiGLU (silu)")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(f"{source}: sliding-window attention is not implemented in kvlab")
     # sdpa: the reference `generate` then runs the same attention kernel kvlab calls.
     with _quiet_progress(Path(source).is_dir()):  # a local folder loads in a second: no bar
         hf_model = AutoModelForCausalLM.from_pretrained(
