@@ -4,6 +4,7 @@ The public API mirrors vLLM's offline API: `LLM`, `SamplingParams`, `RequestOutp
 `LLMEngine`, with `cache_salt` in the prompt dict and vLLM's knob names.
 """
 
+from kvlab.beam_search import BeamSearchOutput, BeamSearchParams
 from kvlab.config import EngineConfig
 from kvlab.engine import LLM, LLMEngine
 from kvlab.model import load_model
@@ -17,6 +18,8 @@ __all__ = [
     "LLMEngine",
     "EngineConfig",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
     "RequestOutput",
     "CompletionOutput",
     "load_model",

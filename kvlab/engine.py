@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from kvlab.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvlab.config import EngineConfig
 from kvlab.inputs import parse_prompt
 from kvlab.kv_cache import KVCacheManager, allocate_kv_cache
@@ -21,7 +22,7 @@ from kvlab.model import Transformer, load_model
 from kvlab.model_runner import ModelRunner
 from kvlab.outputs import CompletionOutput, RequestOutput
 from kvlab.request import Request, RequestStatus
-from kvlab.sampling import SamplingParams
+from kvlab.sampling import SamplingParams, sample
 from kvlab.scheduler import Scheduler
 
 # Default KV budget when kv_cache_tokens is not given (vLLM sizes it from free GPU memory).
@@ -88,15 +89,17 @@ class LLMEngine:
         parsed = self.validate_request(request_id, prompt, params)
         now = time.perf_counter()
         base_seed = params.seed
-        if base_seed is None:
-            base_seed = self.config.seed * 1_000_003 + self.num_requests_added
+        if base_seed is None:  # reproducible per engine, distinct per request and sample
+            base_seed = (self.config.seed << 32) + (self.num_requests_added << 12)
         self.num_requests_added += 1
         samples = []
         for i in range(params.n):
             generator = None
             if not params.greedy:
+                # Sample i draws from seed + i: SamplingParams(n=1, seed=seed + i) reproduces it
+                # alone, which is how the tests prove that sharing blocks changed nothing.
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(base_seed * 1_000_003 + i)  # sample i: its own stream
+                generator.manual_seed(base_seed + i)
             samples.append(
                 Request(
                     request_id=request_id if params.n == 1 else f"{i}_{request_id}",
@@ -114,7 +117,10 @@ class LLMEngine:
         self.parents[request_id] = samples
         for r in samples:
             self.requests[r.request_id] = r
-            self.scheduler.add_request(r)
+        # The prompt is computed once, by sample 0; the others are forked from it when its
+        # prompt is done, sharing its blocks (chapter 02).
+        samples[0].fork_children = samples[1:]
+        self.scheduler.add_request(samples[0])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool at once."""
@@ -135,6 +141,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report every request that got a token."""
         start = time.perf_counter()
+        cow_before = self.kv_cache_manager.num_cow_copies
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -144,38 +151,72 @@ class LLMEngine:
         for request, _ in sched.scheduled:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
-        sampled = self.model_runner.execute(sched.scheduled)
-        now = time.perf_counter()
-        touched: dict[str, None] = {}
+        done, logits = self.model_runner.execute_model(sched.scheduled)
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue  # mid-prompt chunk: nothing to sample yet
-            request.append_output_token(token, now)
-            reason = request.check_stop(self.config.max_model_len)
-            if reason is not None:
-                self.scheduler.finish_request(request, reason)
-                request.metrics.finished_time = now
-            touched[request.parent_id] = None
-        self.num_steps += 1
-        self.step_trace.append(StepRecord(
-            step=self.num_steps,
-            request_ids=[r.request_id for r, _ in sched.scheduled],
-            num_prefill_tokens=sched.num_scheduled_tokens - num_decode,
-            num_decode_tokens=num_decode,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_used_blocks=self.kv_cache_manager.block_pool.get_num_used_blocks(),
-            num_cached_tokens=sum(r.num_computed_tokens for r in self.scheduler.running),
-            step_time=now - start,
-        ))
+        # Each request whose K/V is complete samples one token. Samples waiting to be forked
+        # from it (n > 1) start now, sharing its blocks, and draw from the same logits.
+        rows, samplers = [], []
+        for i, request in enumerate(done):
+            children, request.fork_children = request.fork_children, []
+            for r in [request, *(c for c in children if self._fork(request, c, start))]:
+                rows.append(i)
+                samplers.append(r)
+        tokens = []
+        if samplers:
+            tokens = sample(logits[rows], [r.sampling_params for r in samplers],
+                            [r.generator for r in samplers])
+        now = time.perf_counter()
+        touched: dict[str, None] = {}
+        for r, token in zip(samplers, tokens):
+            self._append_token(r, token, now)
+            touched[r.parent_id] = None
+        self.record_step(
+            sched.scheduled, num_decode, start, cow_before,
+            running=self.scheduler.running, num_waiting=len(self.scheduler.waiting),
+        )
         outputs = [self._make_output(pid) for pid in touched]
         for out in outputs:
             if out.finished:
                 for r in self.parents.pop(out.request_id):
                     self.requests.pop(r.request_id, None)
         return outputs
+
+    def record_step(self, scheduled, num_decode: int, start: float, cow_before: int,
+                    running: list[Request], num_waiting: int) -> None:
+        """Append one StepRecord to the trace (the engine's steps and beam search's alike)."""
+        self.num_steps += 1
+        self.step_trace.append(StepRecord(
+            step=self.num_steps,
+            request_ids=[r.request_id for r, _ in scheduled],
+            num_prefill_tokens=sum(n for _, n in scheduled) - num_decode,
+            num_decode_tokens=num_decode,
+            num_running=len(running),
+            num_waiting=num_waiting,
+            num_used_blocks=self.kv_cache_manager.block_pool.get_num_used_blocks(),
+            num_cached_tokens=sum(r.num_computed_tokens for r in running),
+            num_cow_copies=self.kv_cache_manager.num_cow_copies - cow_before,
+            step_time=time.perf_counter() - start,
+        ))
+
+    def _fork(self, parent: Request, child: Request, now: float) -> bool:
+        """Start a sample from its parent's computed prompt: share blocks, copy nothing."""
+        if not self.kv_cache_manager.fork(parent.request_id, child.request_id):
+            # Contiguous layout with no free region: it computes its own prompt later.
+            self.scheduler.waiting.appendleft(child)
+            return False
+        child.metrics.first_scheduled_time = now
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.scheduler.running.append(child)
+        return True
+
+    def _append_token(self, request: Request, token: int, now: float) -> None:
+        request.append_output_token(token, now)
+        reason = request.check_stop(self.config.max_model_len)
+        if reason is not None:
+            self.scheduler.finish_request(request, reason)
+            request.metrics.finished_time = now
 
     def _make_output(self, parent_id: str) -> RequestOutput:
         samples = self.parents[parent_id]
@@ -220,6 +261,7 @@ class LLMEngine:
             "num_used_blocks": pool.get_num_used_blocks(),
             "peak_blocks_used": self.kv_cache_manager.peak_blocks_used,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_cow_copies": self.kv_cache_manager.num_cow_copies,
             "prefix_cache_queries": 0,  # counted once prefix caching lands (chapter 05)
             "prefix_cache_hits": 0,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -338,6 +380,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt, sequences best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError("prompts must be a prompt or a non-empty list of prompts")
+        return beam_search(self.llm_engine, list(prompts), params)
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):

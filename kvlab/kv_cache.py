@@ -55,6 +55,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.peak_blocks_used = 0
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, see fork / CoW
+        self.num_cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -63,10 +65,13 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Make the request's block table cover its first `num_tokens` tokens.
+    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0) -> bool:
+        """Make the request's block table cover its first `num_tokens` tokens, ready for the
+        tokens from `num_computed_tokens` on to be written.
 
         All or nothing: returns False, holding nothing new, if the pool cannot cover them.
+        A block about to be written that other sequences still share (ref_cnt > 1) is first
+        copied to a fresh block: copy-on-write (chapter 02).
         """
         blocks = self.req_to_blocks.get(request_id)
         if self.kv_layout == "contiguous":
@@ -81,13 +86,47 @@ class KVCacheManager:
             return True
         blocks = blocks if blocks is not None else []
         num_new = self.num_blocks_for(num_tokens) - len(blocks)
-        if num_new > self.block_pool.get_num_free_blocks():
+        # Shared blocks among those this step writes into (only ever the last one after a fork).
+        first = num_computed_tokens // self.block_size
+        shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
+        if max(num_new, 0) + len(shared) > self.block_pool.get_num_free_blocks():
             return False
+        for i in shared:
+            (fresh,) = self.block_pool.get_new_blocks(1)
+            self.pending_copies.append((blocks[i].block_id, fresh.block_id))
+            self.block_pool.free_blocks([blocks[i]])  # drop our reference; the others keep it
+            blocks[i] = fresh
+            self.num_cow_copies += 1
         if num_new > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new))
         self.req_to_blocks[request_id] = blocks
         self._note_peak()
         return True
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """Give `child_id` the parent's tokens without copying them, where the layout allows.
+
+        Paged: the child's block table is a copy of the parent's, and every block gains a
+        reference, the partly filled last block included. Contiguous: regions cannot be shared,
+        so the child reserves its own region and the parent's blocks are copied into it.
+        """
+        parent = self.req_to_blocks[parent_id]
+        if self.kv_layout == "paged":
+            self.block_pool.touch(parent)
+            self.req_to_blocks[child_id] = list(parent)
+        else:
+            region = self.block_pool.get_contiguous_blocks(len(parent))
+            if region is None:
+                return False
+            self.pending_copies += [(p.block_id, c.block_id) for p, c in zip(parent, region)]
+            self.req_to_blocks[child_id] = region
+        self._note_peak()
+        return True
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) block pairs whose K/V must be copied before the next forward."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request_id: str) -> None:
         """Return a request's blocks to the pool, last block first (see BlockPool.free_blocks)."""

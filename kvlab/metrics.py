@@ -47,4 +47,5 @@ class StepRecord:
     num_waiting: int
     num_used_blocks: int
     num_cached_tokens: int  # tokens whose K/V the pool holds after the step
+    num_cow_copies: int  # blocks copied on write before this step's forward
     step_time: float  # seconds, schedule + forward + sample

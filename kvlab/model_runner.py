@@ -12,7 +12,6 @@ from kvlab.attention import AttentionMetadata
 from kvlab.kv_cache import KVCacheManager
 from kvlab.model import Transformer
 from kvlab.request import Request
-from kvlab.sampling import sample
 
 
 class ModelRunner:
@@ -77,23 +76,27 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
-        """Run one step; return the sampled token of each request whose K/V is now complete.
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks of K/V, every layer: the physical half of copy-on-write and fork."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
-        A request in the middle of a chunked prompt gets no token: its last computed position is
+    def execute_model(self, scheduled: list[tuple[Request, int]]):
+        """Run one step; return the requests whose K/V is now complete and their logits (B, V).
+
+        A request in the middle of a chunked prompt gets no logits: its last computed position is
         not the end of its sequence, so there is nothing to predict yet.
         """
+        self.copy_blocks(self.kv_cache_manager.take_pending_copies())
         ids, pos, meta = self.prepare(scheduled)
         hidden = self.model.forward(ids, pos, self.kv_cache, meta)  # (T, hidden)
-        rows, to_sample = [], []
+        rows, done = [], []
         for i, (request, num_new) in enumerate(scheduled):
             if request.num_computed_tokens + num_new == request.num_tokens:
                 rows.append(meta.query_start_loc[i + 1] - 1)  # the last new token of sequence i
-                to_sample.append(request)
+                done.append(request)
         if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])  # (B, V)
-        tokens = sample(
-            logits, [r.sampling_params for r in to_sample], [r.generator for r in to_sample]
-        )
-        return {r.request_id: t for r, t in zip(to_sample, tokens)}
+            return done, None
+        return done, self.model.compute_logits(hidden[rows])  # (B, V)

@@ -17,7 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # requests compare by identity: two may hold the same tokens
 class Request:
     request_id: str
     prompt: str | None
@@ -37,6 +37,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # n > 1: the other samples, forked from this one when its prompt is done (chapter 02).
+    fork_children: list["Request"] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -64,7 +64,8 @@ class Scheduler:
             # Out of blocks: preempt the newest running request (recompute: its K/V is dropped
             # and rebuilt when it runs again) until this one fits, or it is the one preempted.
             while not self.kv_cache_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
+                request.request_id, request.num_computed_tokens + num_new,
+                request.num_computed_tokens,
             ):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -84,8 +85,11 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 break
+            if len(self.running) + 1 + len(request.fork_children) > self.config.max_num_seqs:
+                break  # its samples will need seats too once its prompt is done
             if not self.kv_cache_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
+                request.request_id, request.num_computed_tokens + num_new,
+                request.num_computed_tokens,
             ):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -105,9 +109,9 @@ class Scheduler:
 
     def finish_request(self, request: Request, reason: str) -> None:
         """Remove a finished or aborted request and give its blocks back at once."""
-        if request.status == RequestStatus.RUNNING:
+        if request in self.running:
             self.running.remove(request)
-        elif request.status == RequestStatus.WAITING:
+        elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.FINISHED
