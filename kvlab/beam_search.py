@@ -182,7 +182,10 @@ def _advance(s: _PromptState, logprobs: torch.Tensor, params: BeamSearchParams, 
     by_parent: dict[int, list[tuple[float, int]]] = {}
     for sc, b, t in survivors:
         by_parent.setdefault(b, []).append((sc, t))
-    new_beams, new_scores = [], []
+    for b, parent in enumerate(s.beams):
+        if b not in by_parent:
+            kv.free(parent.request_id)  # first, so its blocks can serve the forks below
+    new_beams = []
     for b, parent in enumerate(s.beams):
         ways = by_parent.get(b, [])
         for sc, t in ways[1:]:
@@ -195,8 +198,6 @@ def _advance(s: _PromptState, logprobs: torch.Tensor, params: BeamSearchParams, 
         if ways:
             parent.output_token_ids.append(ways[0][1])
             new_beams.append((ways[0][0], parent))
-        else:
-            kv.free(parent.request_id)
     new_beams.sort(key=lambda x: x[0], reverse=True)
     s.beams = [b for _, b in new_beams]
     s.scores = [sc for sc, _ in new_beams]

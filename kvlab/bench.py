@@ -1,6 +1,7 @@
 """Benchmarks: kvlab against its peers, side by side in one run, reported as ratios.
 
     python -m kvlab.bench speed            # kvlab vs transformers generate, batch 1 and 16
+    python -m kvlab.bench cow              # KV memory saved by block sharing (chapter 02)
 
 Protocol (as the seed articles): one warm-up run excluded, then `repeats` runs; the median and
 the spread (min-max) are reported. Both sides generate exactly `max_tokens` tokens (EOS ignored)
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvlab.beam_search import BeamSearchParams
 from kvlab.engine import LLM
 from kvlab.model import load_model
 from kvlab.sampling import SamplingParams
@@ -118,6 +120,65 @@ def speed(batch_sizes=(1, 16), max_tokens: int = 64, repeats: int = 3, prompt_le
     return rows
 
 
+def cow_run(kind: str, k: int, prompt_ids: list[int], max_tokens: int, share: bool = True,
+            block_size: int = 16, model: str | None = None) -> dict:
+    """One parallel-sampling (`kind="sampling"`, n=k) or beam-search (`"beam"`, width k) run
+    in a fresh engine; returns its peak blocks, blocks in use per step, CoW copies and tokens.
+
+    `share=False` is the baseline without sharing: every fork copies all its parent's blocks.
+    """
+    if kind not in ("sampling", "beam"):
+        raise ValueError(f"kind must be 'sampling' or 'beam', got {kind!r}")
+    total = len(prompt_ids) + max_tokens
+    llm = LLM(model, block_size=block_size, max_model_len=total + 1,
+              kv_cache_tokens=2 * max(k, 8) * (total + block_size))
+    engine = llm.llm_engine
+    engine.kv_cache_manager.share_blocks = share
+    prompt = {"prompt_token_ids": list(prompt_ids)}
+    if kind == "sampling":
+        sp = SamplingParams(n=k, max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
+        tokens = [o.token_ids for o in llm.generate(prompt, sp)[0].outputs]
+    else:
+        bp = BeamSearchParams(beam_width=k, max_tokens=max_tokens, ignore_eos=True)
+        tokens = [sq.tokens for sq in llm.beam_search(prompt, bp)[0].sequences]
+    stats = llm.stats()
+    return {
+        "peak_blocks": stats["peak_blocks_used"],
+        "blocks_per_step": [r.num_used_blocks for r in engine.step_trace],
+        "cow_copies": stats["num_cow_copies"],
+        "tokens": tokens,
+        "leaked_blocks": stats["num_used_blocks"],
+    }
+
+
+def cow_savings(prompt_lens=(32, 512), ns=(2, 4, 8), beam_widths=(2, 4, 8),
+                max_tokens: int = 64, block_size: int = 16, model: str | None = None,
+                progress: bool = True) -> list[dict]:
+    """Peak KV blocks with block sharing against the same requests without it (chapter 02).
+
+    Parallel sampling: `SamplingParams(n)` forks one prefilled prompt n ways. Beam search: beams
+    fork and free every step. Both runs must produce the same tokens.
+    """
+    from tqdm.auto import tqdm
+
+    tok = load_model(model).tokenizer
+    rows = []
+    jobs = [(kind, L, k) for L in prompt_lens
+            for kind, ks in (("sampling", ns), ("beam", beam_widths)) for k in ks]
+    for kind, prompt_len, k in tqdm(jobs, desc="cow", disable=not progress):
+        prompt = make_prompts(tok, 1, prompt_len, prompt_len)[0]
+        shared, unshared = (cow_run(kind, k, prompt, max_tokens, share, block_size, model)
+                            for share in (True, False))
+        rows.append({
+            "kind": kind, "prompt_len": prompt_len, "output_len": max_tokens, "k": k,
+            "peak_blocks_shared": shared["peak_blocks"],
+            "peak_blocks_unshared": unshared["peak_blocks"],
+            "saved": round(1 - shared["peak_blocks"] / unshared["peak_blocks"], 3),
+            "identical_outputs": shared["tokens"] == unshared["tokens"],
+        })
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,12 +189,21 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the rows to this file")
+    p = sub.add_parser("cow", help="KV memory saved by block sharing (n and beam width)")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 512])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.command == "speed":
         rows = speed(tuple(args.batch_sizes), args.max_tokens, args.repeats, model=args.model)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
+    else:
+        rows = cow_savings(tuple(args.prompt_lens), max_tokens=args.max_tokens, model=args.model)
+        for row in rows:
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ class KVCacheManager:
         self.peak_blocks_used = 0
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, see fork / CoW
         self.num_cow_copies = 0
+        # False turns fork into a full copy: the baseline chapter 02 measures sharing against.
+        self.share_blocks = True
 
     @property
     def num_blocks(self) -> int:
@@ -111,11 +113,16 @@ class KVCacheManager:
         so the child reserves its own region and the parent's blocks are copied into it.
         """
         parent = self.req_to_blocks[parent_id]
-        if self.kv_layout == "paged":
+        if self.kv_layout == "paged" and self.share_blocks:
             self.block_pool.touch(parent)
             self.req_to_blocks[child_id] = list(parent)
         else:
-            region = self.block_pool.get_contiguous_blocks(len(parent))
+            if self.kv_layout == "paged":  # the no-sharing baseline: fresh blocks, full copy
+                if len(parent) > self.block_pool.get_num_free_blocks():
+                    return False
+                region = self.block_pool.get_new_blocks(len(parent))
+            else:
+                region = self.block_pool.get_contiguous_blocks(len(parent))
             if region is None:
                 return False
             self.pending_copies += [(p.block_id, c.block_id) for p, c in zip(parent, region)]

@@ -76,11 +76,14 @@ def draw_memory_map(memory_map: list[tuple[str | None, int]], block_size: int, t
     return ax
 
 
-def format_block_tables(block_tables: dict[str, list[int]], max_entries: int = 12) -> str:
-    """Each request's block table (logical block -> physical block), one line each."""
+def format_block_tables(block_tables: dict[str, list[int]], max_entries: int = 12,
+                        ref_cnts: list[int] | None = None) -> str:
+    """Each request's block table (logical block -> physical block), one line each; with
+    `ref_cnts` (indexed by block id), shared blocks show their count: `5(x3)`."""
     lines = []
     for rid, ids in block_tables.items():
-        shown = ", ".join(map(str, ids[:max_entries]))
+        cells = [f"{b}(x{ref_cnts[b]})" if ref_cnts and ref_cnts[b] > 1 else str(b) for b in ids]
+        shown = ", ".join(cells[:max_entries])
         more = f", ... ({len(ids)} blocks)" if len(ids) > max_entries else ""
         lines.append(f"{rid:>10}: [{shown}{more}]")
     return "\n".join(lines)
@@ -129,5 +132,37 @@ def plot_block_size_tradeoff(lengths: list[int], block_size: int,
     ax2.set_ylabel("block-table entries per request", color="tab:blue")
     ax.axvline(block_size, color="k", ls="--", lw=1)
     ax.set_title(block_size_summary(lengths, block_size), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_blocks_per_step(series: dict[str, list[int]], title: str = "KV blocks in use"):
+    """Blocks in use after each engine step, one line per run."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    for label, blocks in series.items():
+        ax.plot(range(1, len(blocks) + 1), blocks, label=f"{label} (peak {max(blocks, default=0)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("blocks in use")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_cow_savings(rows: list[dict]):
+    """Share of peak KV memory saved by block sharing, against n or beam width."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    keys = sorted({(r["kind"], r["prompt_len"]) for r in rows})
+    for kind, prompt_len in keys:
+        pts = sorted((r["k"], r["saved"]) for r in rows
+                     if r["kind"] == kind and r["prompt_len"] == prompt_len)
+        ax.plot([k for k, _ in pts], [100 * v for _, v in pts], "o-" if kind == "beam" else "s--",
+                label=f"{kind}, prompt {prompt_len}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("n (sampling) or beam width")
+    ax.set_ylabel("peak KV memory saved (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

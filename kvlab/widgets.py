@@ -24,3 +24,25 @@ def block_size_slider(lengths: list[int], value: int = 16):
     slider = widgets.IntSlider(value=value, min=1, max=128, step=1, description="block_size",
                                continuous_update=False)
     return widgets.interactive(draw, block_size=slider)
+
+
+def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
+    """Move n (parallel sampling) or the beam width; see blocks in use with and without sharing
+    on the real model (notebook 02). Each move runs both engines: a few seconds on a CPU."""
+    from kvlab.bench import cow_run
+
+    def draw(kind: str, k: int):
+        runs = {f"{label}": cow_run(kind, k, prompt_ids, max_tokens, share)
+                for label, share in (("shared", True), ("unshared", False))}
+        saved = 1 - runs["shared"]["peak_blocks"] / runs["unshared"]["peak_blocks"]
+        print(f"{kind}, k={k}: peak {runs['shared']['peak_blocks']} blocks shared vs "
+              f"{runs['unshared']['peak_blocks']} unshared: {saved:.0%} saved, "
+              f"{runs['shared']['cow_copies']} copy-on-write copies")
+        fig = viz.plot_blocks_per_step({k_: r["blocks_per_step"] for k_, r in runs.items()})
+        plt.show()
+        plt.close(fig)
+
+    kind = widgets.Dropdown(options=["sampling", "beam"], value="beam", description="kind")
+    k = widgets.IntSlider(value=value, min=1, max=8, description="n / width",
+                          continuous_update=False)
+    return widgets.interactive(draw, kind=kind, k=k)
