@@ -1,0 +1,17 @@
+"""Benchmarks: kvlab against its peers, side by side in one run, reported as ratios.
+
+    python -m kvlab.bench speed            # kvlab vs transformers generate, batch 1 and 16
+    python -m kvlab.bench cow              # KV memory saved by block sharing (chapter 02)
+
+Protocol (as the seed articles): one warm-up run excluded, then `repeats` runs; the median and
+the spread (min-max) are reported. Both sides generate exactly `max_tokens` tokens (EOS ignored)
+greedily from the same prompts on the same weights, and both outputs are checked to be equal, so
+the comparison is of the same work.
+"""
+
+from kvlab.bench.common import BENCH_TEXT, make_prompts, time_runs, transformers_generate
+from kvlab.bench.cow import cow_run, cow_savings
+from kvlab.bench.speed import speed
+
+__all__ = ["BENCH_TEXT", "make_prompts", "time_runs", "transformers_generate", "speed",
+           "cow_run", "cow_savings"]
