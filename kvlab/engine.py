@@ -35,7 +35,7 @@ class LLMEngine:
         self.config = config
         self.loaded = load_model(config.model, config.device, config.dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.model = Transformer(self.loaded)
+        self.model = Transformer(self.loaded, fast=config.backend == "auto")
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
         config.resolve(
@@ -58,7 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.model_runner = ModelRunner(
             self.model, self.kv_cache, self.kv_cache_manager, self.device,
-            use_reference_attention=config.attention_backend == "reference",
+            use_reference_attention=config.backend == "reference",
         )
         self.requests: dict[str, Request] = {}  # every unfinished sample, by its own id
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
@@ -82,6 +82,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} samples can never run together with max_num_seqs="
+                f"{self.config.max_num_seqs}: lower n or raise max_num_seqs"
+            )
         return parse_prompt(prompt, self.tokenizer, self.vocab_size, self.config.max_model_len)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
@@ -197,6 +202,7 @@ class LLMEngine:
             num_cached_tokens=sum(r.num_computed_tokens for r in running),
             num_cow_copies=self.kv_cache_manager.num_cow_copies - cow_before,
             step_time=time.perf_counter() - start,
+            forward_time=self.model_runner.last_forward_time,
         ))
 
     def _fork(self, parent: Request, child: Request, now: float) -> bool:
@@ -296,7 +302,7 @@ class LLM:
         device: str = "auto",
         dtype: str = "auto",
         seed: int = 0,
-        attention_backend: str = "auto",
+        backend: str = "auto",
     ) -> None:
         config = EngineConfig(  # validates every knob before anything is loaded
             model=model, block_size=block_size, kv_layout=kv_layout,
@@ -304,7 +310,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching, scheduling=scheduling,
-            device=device, dtype=dtype, seed=seed, attention_backend=attention_backend,
+            device=device, dtype=dtype, seed=seed, backend=backend,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0

@@ -49,3 +49,4 @@ class StepRecord:
     num_cached_tokens: int  # tokens whose K/V the pool holds after the step
     num_cow_copies: int  # blocks copied on write before this step's forward
     step_time: float  # seconds, schedule + forward + sample
+    forward_time: float  # seconds in the model forward and logits; the rest is engine overhead

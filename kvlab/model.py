@@ -202,10 +202,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def use_onednn(loaded: LoadedModel) -> bool:
+    """oneDNN (mkldnn) runs fp32 CPU matmuls with pre-packed weights: measured here 1.5x faster
+    than plain matmuls at batch 16 and 2x in prefill. Same arithmetic, different summation
+    order, so logits differ in the last bits (the tests bound it and compare tokens)."""
+    return (loaded.device.type == "cpu" and loaded.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+@functools.lru_cache(maxsize=4)
+def packed_weights(loaded: LoadedModel) -> dict[int, tuple]:
+    """oneDNN copies of every projection and the head, made once per loaded model and shared by
+    every engine: {id(module): (weight, bias)}."""
+    hf = loaded.hf_model
+    modules = [m for layer in hf.model.layers
+               for m in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
+                                                                  "o_proj")),
+                         *(getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))]
+    modules.append(hf.lm_head)
+    with torch.inference_mode():
+        return {id(m): (m.weight.to_mkldnn(), None if m.bias is None else m.bias.to_mkldnn())
+                for m in modules}
+
+
+def onednn_linear(weight, bias):
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), weight, bias).to_dense()
+    return linear
+
+
 class Transformer:
     """kvlab's own forward pass over a transformers model's weights (no copy is made)."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, fast: bool = True) -> None:
         cfg = loaded.config
         hf = loaded.hf_model
         self.config = cfg
@@ -218,10 +247,14 @@ class Transformer:
         self.embed_tokens = hf.model.embed_tokens.weight  # (V, hidden)
         self.layers = hf.model.layers  # each: .self_attn.{q,k,v,o}_proj, .mlp.{gate,up,down}_proj
         self.norm = hf.model.norm.weight
-        self.lm_head = hf.lm_head.weight  # the embedding itself when tie_word_embeddings
+        self.lm_head_module = hf.lm_head  # its weight is the embedding when tie_word_embeddings
         # transformers' rotary module computes cos/sin for every RoPE variant (Llama 3 scaling,
         # YaRN, ...) exactly as the reference model does.
         self.rotary_emb = hf.model.rotary_emb
+        # Each projection is called as proj[module](x): the transformers Linear itself, or the
+        # same weights packed for oneDNN (see use_onednn).
+        packed = packed_weights(loaded) if fast and use_onednn(loaded) else {}
+        self.proj = _Projections(packed)
 
     @torch.inference_mode()
     def forward(
@@ -238,9 +271,10 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = rms_norm(x, layer.input_layernorm.weight, self.eps)
-            q = attn.q_proj(h).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
-            k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-            v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+            proj = self.proj
+            q = proj[attn.q_proj](h).view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
+            k = proj[attn.k_proj](h).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+            v = proj[attn.v_proj](h).view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
             if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's q and k before RoPE
                 q = rms_norm(q, attn.q_norm.weight, self.eps)
                 k = rms_norm(k, attn.k_norm.weight, self.eps)
@@ -249,18 +283,28 @@ class Transformer:
             # then attend over every past K/V of each sequence, found through its block table.
             write_kv(kv_cache[i], k, v, attn_metadata.slot_mapping)
             o = paged_attention(q, kv_cache[i], attn_metadata, self.scale)  # (T, Hq, D)
-            x = x + attn.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+            x = x + proj[attn.o_proj](o.reshape(T, self.num_heads * self.head_dim))
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             mlp = layer.mlp
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))  # SwiGLU
+            x = x + proj[mlp.down_proj](F.silu(proj[mlp.gate_proj](h)) * proj[mlp.up_proj](h))
         return rms_norm(x, self.norm, self.eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, hidden) -> (B, V) in fp32; only rows that will be sampled are passed in."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.proj[self.lm_head_module](hidden).float()
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x dtype bytes."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+class _Projections:
+    """proj[module] -> a callable: the module itself, or its oneDNN-packed twin."""
+
+    def __init__(self, packed: dict[int, tuple]) -> None:
+        self.fns = {key: onednn_linear(w, b) for key, (w, b) in packed.items()}
+
+    def __getitem__(self, module):
+        return self.fns.get(id(module), module)

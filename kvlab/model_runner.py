@@ -6,6 +6,8 @@ positions, the pool slot each new K/V goes to (slot mapping), and each request's
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvlab.attention import AttentionMetadata
@@ -29,6 +31,7 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.device = device
         self.use_reference_attention = use_reference_attention
+        self.last_forward_time = 0.0
 
     def prepare(self, scheduled: list[tuple[Request, int]]):
         """Flat input ids, positions and attention metadata for one step."""
@@ -91,12 +94,16 @@ class ModelRunner:
         """
         self.copy_blocks(self.kv_cache_manager.take_pending_copies())
         ids, pos, meta = self.prepare(scheduled)
-        hidden = self.model.forward(ids, pos, self.kv_cache, meta)  # (T, hidden)
         rows, done = [], []
         for i, (request, num_new) in enumerate(scheduled):
             if request.num_computed_tokens + num_new == request.num_tokens:
                 rows.append(meta.query_start_loc[i + 1] - 1)  # the last new token of sequence i
                 done.append(request)
-        if not rows:
-            return done, None
-        return done, self.model.compute_logits(hidden[rows])  # (B, V)
+        t0 = time.perf_counter()
+        hidden = self.model.forward(ids, pos, self.kv_cache, meta)  # (T, hidden)
+        logits = self.model.compute_logits(hidden[rows]) if rows else None  # (B, V)
+        if logits is not None and logits.device.type == "cuda":
+            torch.cuda.synchronize()  # so the time below is the GPU's work, not its launch
+        # What the model itself costs; the rest of a step is the engine's overhead (chapter 03).
+        self.last_forward_time = time.perf_counter() - t0
+        return done, logits

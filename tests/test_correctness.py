@@ -35,7 +35,7 @@ def test_paged_equals_contiguous_equals_reference_attention(text_ids):
     prompts = [{"prompt_token_ids": text_ids[i : i + 20 + 9 * i]} for i in range(6)]
     results = []
     for layout, backend in [("paged", "auto"), ("contiguous", "auto"), ("paged", "reference")]:
-        llm = LLM(block_size=8, kv_layout=layout, attention_backend=backend, max_model_len=256,
+        llm = LLM(block_size=8, kv_layout=layout, backend=backend, max_model_len=256,
                   kv_cache_tokens=2048)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
         assert_no_blocks_held(llm)
@@ -66,3 +66,28 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs_exact(text_ids, hf_gree
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(p, N_NEW)
     assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("backend, tolerance", [("reference", 5e-4), ("auto", 1e-3)])
+def test_logits_match_transformers_within_tolerance(loaded, text_ids, backend, tolerance):
+    """Token equality rests on this: kvlab's logits equal transformers' up to float summation
+    order. The reference backend runs transformers' own matmul calls; "auto" packs weights for
+    oneDNN, which sums in another order. Logits here reach ~40; measured differences are under
+    1e-4 (reference) and 1e-4 (auto): `tolerance` leaves room for other CPUs."""
+    import torch
+
+    from kvlab.attention import AttentionMetadata
+    from kvlab.model import Transformer
+
+    prompt = text_ids[:40]
+    with torch.inference_mode():
+        ref = loaded.hf_model(torch.tensor([prompt])).logits[0].float()  # (T, V)
+    model = Transformer(loaded, fast=backend == "auto")
+    kv = torch.zeros((model.num_layers, 2, 3, 16, model.num_kv_heads, model.head_dim))
+    meta = AttentionMetadata(slot_mapping=torch.arange(40), query_start_loc=[0, 40],
+                             seq_lens=[40], block_tables=[torch.tensor([0, 1, 2])])
+    hidden = model.forward(torch.tensor(prompt), torch.arange(40), kv, meta)
+    ours = model.compute_logits(hidden)
+    diff = (ours - ref).abs().max().item()
+    assert diff < tolerance, diff
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))

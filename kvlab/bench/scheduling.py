@@ -1,0 +1,302 @@
+"""The scheduling experiments of chapters 03-04, as functions the notebooks and the CLI call.
+
+Protocol as the seed articles: a warm-up batch excluded, then `repeats` batches; medians are
+reported with their spread. Every batch uses fresh prompts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.bench.common import make_prompts, transformers_generate
+from kvlab.engine import LLM
+from kvlab.metrics import StepRecord
+from kvlab.model import load_model
+from kvlab.sampling import SamplingParams
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between ranks; nan for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class BatchResult:
+    wall_s: float
+    output_tokens: int
+    ttfts: list[float]
+    itls: list[float]
+    num_preemptions: int
+    steps: list[StepRecord] = field(repr=False)
+    outputs: list = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def run_batch(llm: LLM, prompts: list, params) -> BatchResult:
+    """Submit every prompt at once (a burst at concurrency len(prompts)) and run them all."""
+    engine = llm.llm_engine
+    first_step, preempted = engine.num_steps, engine.scheduler.num_preemptions
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    return BatchResult(
+        wall_s=wall,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+        ttfts=[o.metrics.ttft for o in outs],
+        itls=[x for o in outs for x in o.metrics.itl],
+        num_preemptions=engine.scheduler.num_preemptions - preempted,
+        steps=[r for r in engine.step_trace if r.step > first_step],
+        outputs=outs,
+    )
+
+
+def summarise(results: list[BatchResult]) -> dict:
+    """Medians over repeats, with the throughput spread (min, max)."""
+    tps = [r.tokens_per_s for r in results]
+    return {
+        "tok_s": round(statistics.median(tps), 1),
+        "tok_s_spread": [round(min(tps), 1), round(max(tps), 1)],
+        "ttft_median_ms": round(1000 * statistics.median(
+            statistics.median(r.ttfts) for r in results), 1),
+        "itl_median_ms": round(1000 * statistics.median(
+            percentile(r.itls, 50) for r in results), 1),
+        "itl_p99_ms": round(1000 * statistics.median(
+            percentile(r.itls, 99) for r in results), 1),
+        "preemptions": statistics.median(r.num_preemptions for r in results),
+    }
+
+
+def burst_prompts(tok, count: int, input_len: int, batch_index: int) -> list[dict]:
+    """`count` distinct prompts of `input_len` tokens; each batch gets different ones."""
+    prompts = make_prompts(tok, count * (batch_index + 1), input_len, input_len)
+    return [{"prompt_token_ids": p} for p in prompts[count * batch_index:]]
+
+
+def measure_bursts(llm: LLM, concurrency: int, input_len: int, output_len: int,
+                   repeats: int = 3) -> dict:
+    """Warm-up burst (excluded), then `repeats` bursts of `concurrency` requests."""
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    run_batch(llm, burst_prompts(tok, min(concurrency, 4), input_len, 0), sp)  # warm-up
+    results = [run_batch(llm, burst_prompts(tok, concurrency, input_len, i + 1), sp)
+               for i in range(repeats)]
+    return summarise(results)
+
+
+def continuous_batching_table(
+    servers: dict[str, tuple[dict, tuple[int, ...]]] | None = None,
+    input_len: int = 64, output_len: int = 32, repeats: int = 3, model: str | None = None,
+) -> list[dict]:
+    """The seed table: one-at-a-time (`max_num_seqs=1`) against the default scheduler, bursts
+    of `concurrency` requests of input_len + output_len tokens (EOS ignored)."""
+    if servers is None:
+        servers = {"max_num_seqs=1": ({"max_num_seqs": 1}, (1, 16)),
+                   "default": ({}, (1, 4, 16))}
+    rows = []
+    for name, (kwargs, concurrencies) in servers.items():
+        llm = LLM(model, max_model_len=input_len + output_len + 16, **kwargs)
+        for c in concurrencies:
+            rows.append({"server": name, "concurrency": c,
+                         **measure_bursts(llm, c, input_len, output_len, repeats)})
+    return rows
+
+
+def kv_capacity_sweep(concurrencies=(1, 4, 8, 16, 32), kv_cache_tokens: int = 1536,
+                      input_len: int = 64, output_len: int = 32, repeats: int = 1,
+                      block_size: int = 16, model: str | None = None) -> dict:
+    """Concurrency past what the KV budget holds: throughput flattens, TTFT climbs, requests are
+    preempted. Returns the rows and the predicted knee, KV tokens / tokens per request."""
+    llm = LLM(model, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
+              max_model_len=input_len + output_len + block_size)
+    rows = [{"concurrency": c, **measure_bursts(llm, c, input_len, output_len, repeats)}
+            for c in concurrencies]
+    per_request = -(-(input_len + output_len) // block_size) * block_size
+    return {"rows": rows, "kv_tokens": llm.stats()["kv_capacity_tokens"],
+            "predicted_knee": llm.stats()["kv_capacity_tokens"] // per_request}
+
+
+def gantt_runs(num_requests: int = 8, max_num_seqs: int = 4, input_len: int = 32,
+               output_lens=(4, 24, 8, 16, 6, 20, 10, 12), model: str | None = None) -> dict:
+    """The same workload under static and continuous batching; each run's step trace."""
+    runs = {}
+    for scheduling in ("static", "continuous"):
+        llm = LLM(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
+                  max_model_len=input_len + max(output_lens) + 16, kv_cache_tokens=4096)
+        tok = llm.get_tokenizer()
+        prompts = burst_prompts(tok, num_requests, input_len, 0)
+        params = [SamplingParams(max_tokens=output_lens[i % len(output_lens)], temperature=0,
+                                 ignore_eos=True) for i in range(num_requests)]
+        runs[scheduling] = run_batch(llm, prompts, params)
+    return runs
+
+
+def throughput_targets(num_requests: int = 16, input_lens=(64, 128), output_lens=(96, 128),
+                       repeats: int = 3, model: str | None = None) -> dict:
+    """Issue 4's targets, side by side in one run on a mixed-length workload:
+    continuous batching vs `max_num_seqs=1`, and vs transformers `generate` (static, padded,
+    run to the longest output; only requested tokens count as useful)."""
+    loaded = load_model(model)
+    tok = loaded.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    lens_in = [input_lens[0] + (input_lens[1] - input_lens[0]) * ((5 * i) % num_requests)
+               // max(num_requests - 1, 1) for i in range(num_requests)]
+    lens_out = [output_lens[0] + (output_lens[1] - output_lens[0]) * ((3 * i) % num_requests)
+                // max(num_requests - 1, 1) for i in range(num_requests)]
+    base = make_prompts(tok, num_requests, max(input_lens), max(input_lens))
+    prompts = [p[:n] for p, n in zip(base, lens_in)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens_out]
+    useful = sum(lens_out)
+    max_len = max(input_lens) + max(output_lens) + 16
+    engines = {"continuous": LLM(model, max_model_len=max_len),
+               "max_num_seqs=1": LLM(model, max_model_len=max_len, max_num_seqs=1)}
+    work = {name: (lambda llm=llm: llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                params))
+            for name, llm in engines.items()}
+    work["transformers generate"] = lambda: transformers_generate(
+        loaded.hf_model, prompts, max(lens_out), pad_id)
+    times: dict[str, list[float]] = {name: [] for name in work}
+    for name, fn in work.items():
+        fn()  # warm-up
+    for _ in range(repeats):  # interleaved, so drift in machine speed hits every peer alike
+        for name, fn in work.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    rows = {name: {"useful_tok_s": round(useful / statistics.median(t), 1),
+                   "spread_s": [round(min(t), 2), round(max(t), 2)]} for name, t in times.items()}
+    cont = rows["continuous"]["useful_tok_s"]
+    return {
+        "workload": {"requests": num_requests, "input_lens": list(input_lens),
+                     "output_lens": list(output_lens), "useful_tokens": useful},
+        "rows": rows,
+        "continuous_over_one_at_a_time": round(cont / rows["max_num_seqs=1"]["useful_tok_s"], 2),
+        "continuous_over_transformers": round(
+            cont / rows["transformers generate"]["useful_tok_s"], 2),
+    }
+
+
+def engine_overhead(num_requests: int = 64, input_len: int = 32, output_len: int = 32,
+                    model: str | None = None) -> dict:
+    """Share of step time spent outside the model forward (scheduling, block bookkeeping,
+    building the batch, sampling) in decode steps with every request running."""
+    llm = LLM(model, max_model_len=input_len + output_len + 16)
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    run_batch(llm, burst_prompts(tok, 4, input_len, 0), sp)  # warm-up
+    res = run_batch(llm, burst_prompts(tok, num_requests, input_len, 1), sp)
+    steps = [r for r in res.steps
+             if r.num_prefill_tokens == 0 and len(r.request_ids) == num_requests]
+    fractions = [(r.step_time - r.forward_time) / r.step_time for r in steps]
+    return {"running": num_requests, "decode_steps": len(steps),
+            "step_ms_median": round(1000 * statistics.median(r.step_time for r in steps), 1),
+            "overhead_ms_median": round(1000 * statistics.median(
+                r.step_time - r.forward_time for r in steps), 2),
+            "overhead_fraction_median": round(statistics.median(fractions), 4)}
+
+
+# ---- chunked prefill (chapter 04) ----------------------------------------------------------
+
+def prefill_rate(lengths=(128, 256, 512, 1024), model: str | None = None) -> dict:
+    """Prefill tokens per second on this machine: one prompt per step, model time only."""
+    llm = LLM(model, max_model_len=max(lengths) + 16, enable_chunked_prefill=False)
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    points = []
+    for i, n in enumerate((lengths[0], *lengths)):  # the first is a warm-up
+        llm.generate({"prompt_token_ids": make_prompts(tok, 1, n, n)[0]}, sp)
+        if i:
+            points.append((n, llm.llm_engine.step_trace[-1].forward_time))
+    total_tokens = sum(n for n, _ in points)
+    return {"points": points, "tokens_per_s": round(total_tokens / sum(t for _, t in points), 1)}
+
+
+@dataclass
+class StallRun:
+    budget: int | None  # None: chunking off
+    decode_times: list[float]  # the decoding request's token times, seconds from its arrival
+    insert_time: float  # when the long prompt arrived (same clock)
+    inserted_ttft: float  # the long prompt's time to first token
+    max_gap: float  # worst gap of the decoding request while the long prompt was prefilled
+    chunks: int  # steps the long prompt's prefill took
+
+
+def chunked_prefill_stall(budget: int | None, long_len: int = 1024, decode_prompt_len: int = 32,
+                          insert_after: int = 8, tail_tokens: int = 6, llm: LLM | None = None,
+                          model: str | None = None) -> StallRun:
+    """One request decodes; after `insert_after` of its tokens a `long_len`-token prompt
+    arrives. `budget` None means chunking off (the whole prompt in one step)."""
+    if llm is None:
+        llm = stall_engine(budget, long_len, model)
+    engine = llm.llm_engine
+    tok = llm.get_tokenizer()
+    prompts = make_prompts(tok, 2, decode_prompt_len, long_len)
+    decoder, long_prompt = prompts[0][:decode_prompt_len], prompts[1][:long_len]
+    rid = f"stall-{engine.num_requests_added}"
+    engine.add_request(rid + "-decode", {"prompt_token_ids": decoder},
+                       SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
+    dec = engine.requests[rid + "-decode"]
+    while len(dec.output_token_ids) < insert_after:
+        engine.step()
+    engine.add_request(rid + "-long", {"prompt_token_ids": long_prompt},
+                       SamplingParams(max_tokens=1, temperature=0))
+    long_req = engine.requests[rid + "-long"]
+    first_step = engine.num_steps
+    while not long_req.is_finished:
+        engine.step()
+    chunks = sum(1 for r in engine.step_trace
+                 if r.step > first_step and long_req.request_id in r.request_ids)
+    target = len(dec.output_token_ids) + tail_tokens
+    while len(dec.output_token_ids) < target:
+        engine.step()
+    engine.abort_request(rid + "-decode")
+    t0 = dec.metrics.arrival_time
+    times = [t - t0 for t in dec.metrics.token_times]
+    insert = long_req.metrics.arrival_time - t0
+    done = long_req.metrics.first_token_time - t0
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > insert and a < done]
+    return StallRun(budget, times, insert, long_req.metrics.ttft, max(gaps), chunks)
+
+
+def stall_engine(budget: int | None, long_len: int = 1024, model: str | None = None) -> LLM:
+    max_len = long_len + 512
+    if budget is None:
+        return LLM(model, max_model_len=max_len, enable_chunked_prefill=False,
+                   max_num_batched_tokens=max_len)
+    return LLM(model, max_model_len=max_len, max_num_batched_tokens=budget)
+
+
+def chunked_prefill_table(budgets=(64, 128, 256, 512, None), long_len: int = 1024,
+                          repeats: int = 1, model: str | None = None) -> list[StallRun]:
+    """The stall table: for each budget, the worst decode gap and the inserted prompt's TTFT
+    (median over repeats, after one warm-up run per engine)."""
+    runs = []
+    for budget in budgets:
+        llm = stall_engine(budget, long_len, model)
+        chunked_prefill_stall(budget, long_len, llm=llm)  # warm-up
+        trials = [chunked_prefill_stall(budget, long_len, llm=llm) for _ in range(repeats)]
+        runs.append(sorted(trials, key=lambda r: r.max_gap)[len(trials) // 2])
+    return runs
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least-squares y = a + b x; returns (a, b, r^2)."""
+    t = torch.tensor([xs, ys], dtype=torch.float64)
+    x, y = t[0], t[1]
+    b = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    a = float(y.mean() - b * x.mean())
+    ss_res = float(((y - (a + b * x)) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return a, b, 1 - ss_res / ss_tot if ss_tot else 1.0
