@@ -46,3 +46,21 @@ def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
     k = widgets.IntSlider(value=value, min=1, max=8, description="n / width",
                           continuous_update=False)
     return widgets.interactive(draw, kind=kind, k=k)
+
+
+def chunk_size_slider(long_len: int = 1024, value: int = 128):
+    """Move the step's token budget; see the decoding request's gaps while a long prompt is
+    prefilled in chunks of that size (notebook 04). Each move runs the real model."""
+    from kvlab.bench.scheduling import chunked_prefill_stall
+
+    def draw(budget: int):
+        run = chunked_prefill_stall(budget, long_len)
+        print(f"budget {budget}: {run.chunks} prefill steps, worst decode gap "
+              f"{1000 * run.max_gap:.0f} ms, inserted prompt TTFT {1000 * run.inserted_ttft:.0f} ms")
+        fig = viz.plot_stall([run])
+        plt.show()
+        plt.close(fig)
+
+    slider = widgets.IntSlider(value=value, min=16, max=1024, step=16,
+                               description="budget", continuous_update=False)
+    return widgets.interactive(draw, budget=slider)

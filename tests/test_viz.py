@@ -47,3 +47,24 @@ def test_block_size_summary_changes_with_the_slider_value():
     slider.value = 32  # what dragging does; the interactive re-runs its function
     w.update()
     plt.close("all")
+
+
+def test_scheduling_figures_draw():
+    from kvlab.bench.scheduling import StallRun
+    from kvlab.metrics import StepRecord
+
+    steps = [StepRecord(i, ["a", "b"][: 1 + i % 2], 0, 2, 2, 0, 4, 10, 0, 0.1, 0.09)
+             for i in range(1, 5)]
+    rows = [{"server": "default", "concurrency": c, "tok_s": 10.0 * c, "tok_s_spread": [9.0 * c, 11.0 * c],
+             "ttft_median_ms": 5.0 * c, "preemptions": 0} for c in (1, 4)]
+    stall = [StallRun(b, [0.0, 0.1, 0.5, 0.6], 0.15, 0.4, 0.4, 3) for b in (64, None)]
+    figs = [
+        viz.plot_gantt({"static": steps, "continuous": steps}),
+        viz.plot_concurrency(rows),
+        viz.plot_capacity({"rows": rows, "predicted_knee": 2, "kv_tokens": 128}),
+        viz.plot_stall(stall),
+        viz.plot_gap_vs_budget(stall, 500.0, 0.03, fit=(0.01, 0.002, 0.99)),
+    ]
+    for fig in figs:
+        assert fig.axes
+        plt.close(fig)

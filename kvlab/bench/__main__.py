@@ -6,6 +6,27 @@ import argparse
 import json
 
 from kvlab.bench import cow_savings, speed
+from kvlab.bench import scheduling
+
+
+def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
+    """Issue 4's targets in one run: throughput ratios, the stall at budget 128 against no
+    chunking with its linear fit over budgets, and the engine overhead at 64 running."""
+    out = {"throughput": scheduling.throughput_targets(repeats=repeats, model=model)}
+    print(json.dumps(out["throughput"]), flush=True)
+    runs = scheduling.chunked_prefill_table((64, 128, 256, 512, None), 1024, repeats, model)
+    gaps = {str(r.budget): round(1000 * r.max_gap, 1) for r in runs}
+    chunked = [r for r in runs if r.budget is not None]
+    a, b, r2 = scheduling.fit_line([r.budget for r in chunked], [r.max_gap for r in chunked])
+    out["stall"] = {"long_prompt": 1024, "max_gap_ms": gaps,
+                    "inserted_ttft_ms": {str(r.budget): round(1000 * r.inserted_ttft, 1)
+                                         for r in runs},
+                    "unchunked_over_budget_128": round(gaps["None"] / gaps["128"], 2),
+                    "fit_ms": [round(1000 * a, 2), round(1000 * b, 4)], "fit_r2": round(r2, 4)}
+    print(json.dumps(out["stall"]), flush=True)
+    out["overhead"] = scheduling.engine_overhead(64, model=model)
+    print(json.dumps(out["overhead"]), flush=True)
+    return out
 
 
 def main(argv=None) -> None:
@@ -23,9 +44,15 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the rows to this file")
+    p = sub.add_parser("sched", help="issue 4's targets: continuous batching, stall, overhead")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.command == "speed":
         rows = speed(tuple(args.batch_sizes), args.max_tokens, args.repeats, model=args.model)
+    elif args.command == "sched":
+        rows = scheduling_targets(args.repeats, args.model)
     else:
         rows = cow_savings(tuple(args.prompt_lens), max_tokens=args.max_tokens, model=args.model)
         for row in rows:
