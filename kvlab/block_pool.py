@@ -19,6 +19,9 @@ class KVCacheBlock:
     # How many block tables hold this block. 0 means free. Forked sequences (chapter 02) share
     # blocks, so this can exceed 1; a block returns to the free queue only when it drops to 0.
     ref_cnt: int = 0
+    # Prefix caching (chapter 05): the key of the full block this holds, kept after it is freed
+    # so a later request can find it again, dropped when the block is reused.
+    block_hash: bytes | None = None
 
 
 class BlockPool:
@@ -38,6 +41,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (blk.block_id, blk) for blk in self.blocks
         )
+        # Prefix caching: key -> the block holding that prefix (running or free, not yet reused).
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -53,11 +58,30 @@ class BlockPool:
             )
         blocks = []
         for _ in range(num_blocks):
+            # The head is the least recently freed block: the eviction victim (LRU).
             _, blk = self.free_queue.popitem(last=False)
             assert blk.ref_cnt == 0, f"block {blk.block_id} was free with ref_cnt {blk.ref_cnt}"
+            self._evict(blk)
             blk.ref_cnt = 1
             blocks.append(blk)
         return blocks
+
+    def _evict(self, blk: KVCacheBlock) -> None:
+        """A block about to be overwritten stops standing for its prefix."""
+        if blk.block_hash is not None:
+            if self.cached_block_hash_to_block.get(blk.block_hash) is blk:
+                del self.cached_block_hash_to_block[blk.block_hash]
+            blk.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a full block under its key. If another block already holds the same prefix
+        (two requests computed it at once), the first stays the one found."""
+        if blk.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+            blk.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = blk
 
     def find_contiguous_free_run(self, num_blocks: int) -> int | None:
         """First fit: the lowest block id that starts `num_blocks` consecutive free blocks.
@@ -85,11 +109,13 @@ class BlockPool:
         blocks = self.blocks[start : start + num_blocks]
         for blk in blocks:
             del self.free_queue[blk.block_id]  # O(1) removal from the middle of the queue
+            self._evict(blk)
             blk.ref_cnt = 1
         return blocks
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
-        """Add one reference to each block (a forked sequence now shares it)."""
+        """Add one reference to each block: a forked sequence now shares it, or a prefix-cache
+        hit takes it back, out of the free queue in O(1), before it can be evicted."""
         for blk in blocks:
             if blk.ref_cnt == 0:
                 del self.free_queue[blk.block_id]
@@ -118,3 +144,5 @@ class BlockPool:
                 f"block {blk.block_id}: ref_cnt {blk.ref_cnt}, in free queue {in_queue}"
             )
         assert self.get_num_free_blocks() + self.get_num_used_blocks() == self.num_blocks
+        for key, blk in self.cached_block_hash_to_block.items():
+            assert blk.block_hash == key, f"block {blk.block_id} is indexed under another key"

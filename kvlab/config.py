@@ -10,6 +10,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from kvlab.prefix_cache import HASH_ALGOS
+
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("continuous", "static")
 BACKENDS = ("auto", "reference")
@@ -54,7 +56,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill + decode)
     max_model_len: int | None = None  # prompt + output limit; None: the model's context length
     enable_chunked_prefill: bool = True  # split long prompts over several steps (vLLM v1 default)
-    enable_prefix_caching: bool = False  # reuse full KV blocks of shared prefixes (chapter 05)
+    # Reuse full KV blocks of shared prefixes (chapter 05). vLLM's default is True; kvlab's is
+    # False so that chapters 00-04 measure what they say, with no cache in between.
+    enable_prefix_caching: bool = False
+    prefix_caching_hash_algo: str = "sha256"  # vLLM --prefix-caching-hash-algo; hashlib names
     scheduling: str = "continuous"  # kvlab-only: "continuous" (Orca/vLLM) or "static" batching
     device: str = "auto"  # "auto": CUDA if present, else CPU
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
@@ -82,10 +87,11 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, minimum=0)
         check_choice("backend", self.backend, BACKENDS)
-        if self.enable_prefix_caching:
-            # Accepted so the knob exists with vLLM's name; the hash chain lands in chapter 05.
-            raise NotImplementedError(
-                "enable_prefix_caching=True is not implemented yet (chapter 05); use False"
+        check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, HASH_ALGOS)
+        if self.enable_prefix_caching and self.kv_layout == "contiguous":
+            raise ValueError(
+                "enable_prefix_caching needs kv_layout='paged': a contiguous region cannot "
+                "share blocks with other requests"
             )
         if (
             self.kv_cache_tokens is not None

@@ -49,7 +49,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.kv_layout, config.max_model_len
+            config.num_blocks, config.block_size, config.kv_layout, config.max_model_len,
+            config.enable_prefix_caching, config.prefix_caching_hash_algo,
         )
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
@@ -159,6 +160,7 @@ class LLMEngine:
         done, logits = self.model_runner.execute_model(sched.scheduled)
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
+            self.kv_cache_manager.cache_blocks(request)  # full blocks become findable
         # Each request whose K/V is complete samples one token. Samples waiting to be forked
         # from it (n > 1) start now, sharing its blocks, and draw from the same logits.
         rows, samplers = [], []
@@ -242,7 +244,7 @@ class LLMEngine:
             prompt_token_ids=list(first.prompt_token_ids),
             outputs=completions,
             finished=all(r.is_finished for r in samples),
-            num_cached_tokens=0,
+            num_cached_tokens=first.num_cached_tokens,
             metrics=first.metrics,
         )
 
@@ -268,8 +270,12 @@ class LLMEngine:
             "peak_blocks_used": self.kv_cache_manager.peak_blocks_used,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_cow_copies": self.kv_cache_manager.num_cow_copies,
-            "prefix_cache_queries": 0,  # counted once prefix caching lands (chapter 05)
-            "prefix_cache_hits": 0,
+            "prefix_cache_queries": self.kv_cache_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits,
+            "prefix_cache_hit_rate": (
+                self.kv_cache_manager.prefix_cache_hits / self.kv_cache_manager.prefix_cache_queries
+                if self.kv_cache_manager.prefix_cache_queries else 0.0
+            ),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": pool.num_blocks * self.config.block_size,
             "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
@@ -298,6 +304,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = False,
+        prefix_caching_hash_algo: str = "sha256",
         scheduling: str = "continuous",
         device: str = "auto",
         dtype: str = "auto",
@@ -309,7 +316,8 @@ class LLM:
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching, scheduling=scheduling,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_caching_hash_algo=prefix_caching_hash_algo, scheduling=scheduling,
             device=device, dtype=dtype, seed=seed, backend=backend,
         )
         self.llm_engine = LLMEngine(config)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.block_pool import BlockPool, KVCacheBlock
+from kvlab.prefix_cache import extend_block_hashes
 
 
 def allocate_kv_cache(
@@ -48,8 +49,14 @@ class KVCacheManager:
     ends. The scheduler asks; the manager says yes (and takes blocks) or no (and takes nothing).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, kv_layout: str, max_model_len: int):
+    def __init__(self, num_blocks: int, block_size: int, kv_layout: str, max_model_len: int,
+                 enable_prefix_caching: bool = False, hash_algo: str = "sha256"):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM's counter names)
+        self.prefix_cache_hits = 0  # of which found in the cache
+        self.num_registered_blocks: dict[str, int] = {}  # request -> its blocks already keyed
         self.kv_layout = kv_layout
         self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks)
@@ -67,11 +74,13 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0) -> bool:
+    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         """Make the request's block table cover its first `num_tokens` tokens, ready for the
         tokens from `num_computed_tokens` on to be written.
 
         All or nothing: returns False, holding nothing new, if the pool cannot cover them.
+        `new_computed_blocks` are prefix-cache hits (chapter 05) that start the block table.
         A block about to be written that other sequences still share (ref_cnt > 1) is first
         copied to a fresh block: copy-on-write (chapter 02).
         """
@@ -87,12 +96,19 @@ class KVCacheManager:
             self._note_peak()
             return True
         blocks = blocks if blocks is not None else []
-        num_new = self.num_blocks_for(num_tokens) - len(blocks)
+        num_new = self.num_blocks_for(num_tokens) - len(blocks) - len(new_computed_blocks)
         # Shared blocks among those this step writes into (only ever the last one after a fork).
         first = num_computed_tokens // self.block_size
         shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
-        if max(num_new, 0) + len(shared) > self.block_pool.get_num_free_blocks():
+        # Hits still in the free queue count as free now, but will not be once taken.
+        free = self.block_pool.get_num_free_blocks()
+        free -= sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
+        if max(num_new, 0) + len(shared) > free:
             return False
+        # Take the hits out of the free queue first, so popping fresh blocks below cannot evict
+        # the very blocks this request is about to reuse.
+        self.block_pool.touch(list(new_computed_blocks))
+        blocks.extend(new_computed_blocks)
         for i in shared:
             (fresh,) = self.block_pool.get_new_blocks(1)
             self.pending_copies.append((blocks[i].block_id, fresh.block_id))
@@ -116,6 +132,7 @@ class KVCacheManager:
         if self.kv_layout == "paged" and self.share_blocks:
             self.block_pool.touch(parent)
             self.req_to_blocks[child_id] = list(parent)
+            self.num_registered_blocks[child_id] = self.num_registered_blocks.get(parent_id, 0)
         else:
             if self.kv_layout == "paged":  # the no-sharing baseline: fresh blocks, full copy
                 if len(parent) > self.block_pool.get_num_free_blocks():
@@ -135,8 +152,42 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
+        """Prefix-cache lookup: the longest run of cached full blocks from the request's start.
+
+        Never the whole sequence: at least its last token is computed, so there are logits to
+        sample from. Returns the hit blocks and the number of tokens they hold.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        extend_block_hashes(request.block_hashes, request.token_ids, request.num_tokens,
+                            self.block_size, request.cache_salt, self.hash_algo)
+        hits = []
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
+            blk = self.block_pool.get_cached_block(block_hash)
+            if blk is None:
+                break  # the chain is broken: nothing after this can be the same prefix
+            hits.append(blk)
+        return hits, len(hits) * self.block_size
+
+    def cache_blocks(self, request) -> None:
+        """Key the request's blocks that its computed tokens have filled, so others find them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        done = self.num_registered_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        extend_block_hashes(request.block_hashes, request.token_ids, num_full * self.block_size,
+                            self.block_size, request.cache_salt, self.hash_algo)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(done, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_registered_blocks[request.request_id] = num_full
+
     def free(self, request_id: str) -> None:
         """Return a request's blocks to the pool, last block first (see BlockPool.free_blocks)."""
+        self.num_registered_blocks.pop(request_id, None)
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
             self.block_pool.free_blocks(list(reversed(blocks)))

@@ -37,6 +37,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Prefix caching (chapter 05): keys of this request's full blocks, and the prompt tokens
+    # found in the cache at its first admission (vLLM's num_cached_tokens).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
     # n > 1: the other samples, forked from this one when its prompt is done (chapter 02).
     fork_children: list["Request"] = field(default_factory=list)
 

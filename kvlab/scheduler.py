@@ -39,8 +39,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_new = request.num_tokens - num_computed
         if self.config.enable_chunked_prefill:
             return min(num_new, budget)  # a long prompt takes what is left, the rest next step
         return num_new if num_new <= budget else 0  # whole prompt in one step, or not now
@@ -82,16 +84,26 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request, budget)
+            # Prefix cache (chapter 05): blocks some earlier request already computed.
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + num_hit
+            num_new = self._num_new_tokens(request, budget, num_computed)
             if num_new == 0:
                 break
             if len(self.running) + 1 + len(request.fork_children) > self.config.max_num_seqs:
                 break  # its samples will need seats too once its prompt is done
             if not self.kv_cache_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new,
-                request.num_computed_tokens,
+                request.request_id, num_computed + num_new, num_computed, hits
             ):
                 break  # first come, first served: nobody overtakes the head of the queue
+            if self.config.enable_prefix_caching and request.num_computed_tokens == 0:
+                self.kv_cache_manager.prefix_cache_queries += request.num_tokens
+                self.kv_cache_manager.prefix_cache_hits += num_hit
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_computed
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -34,7 +34,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
         (dict(seed=-1), ValueError, "seed"),
         (dict(model=""), ValueError, "model"),
         (dict(model=3), TypeError, "model"),
-        (dict(enable_prefix_caching=True), NotImplementedError, "enable_prefix_caching"),
+        (dict(enable_prefix_caching=True, kv_layout="contiguous"), ValueError, "enable_prefix_caching"),
+        (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching"),
+        (dict(prefix_caching_hash_algo="md5"), ValueError, "prefix_caching_hash_algo"),
     ],
 )
 def test_bad_engine_knobs(kwargs, error, words):
