@@ -278,3 +278,52 @@ def plot_gap_vs_budget(runs: list, prefill_tokens_per_s: float, decode_step_s: f
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def format_hash_chain(prompts: dict[str, list[int]], block_size: int, salts=None,
+                      digits: int = 8) -> str:
+    """Each prompt's full blocks as key prefixes, `=` where the key equals the first prompt's.
+
+    The boundary effect shows directly: a shared part that ends mid-block shares only the full
+    blocks before it.
+    """
+    from kvlab.prefix_cache import extend_block_hashes
+
+    salts = salts or {}
+    chains = {}
+    for name, tokens in prompts.items():
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, lambda a, b, t=tokens: t[a:b], len(tokens), block_size,
+                            salts.get(name))
+        chains[name] = hashes
+    first = next(iter(chains.values()))
+    lines = []
+    for name, hashes in chains.items():
+        cells = []
+        for i, h in enumerate(hashes):
+            same = name != next(iter(chains)) and i < len(first) and first[i] == h
+            cells.append(("=" if same else " ") + h.hex()[:digits])
+        tail = len(prompts[name]) % block_size
+        salt = f" (salt {salts[name]!r})" if name in salts else ""
+        lines.append(f"{name:>8}{salt}: " + " ".join(cells)
+                     + (f"  + {tail} tokens in a partial block" if tail else ""))
+    return "\n".join(lines)
+
+
+def plot_ttft_attack(result: dict, ax=None):
+    """Tenant B's TTFT per trial, coloured by whether tenant A had sent the document."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 3))
+    for sent, colour, label in ((True, "tab:red", "A had sent it"),
+                                (False, "tab:blue", "A had not")):
+        pts = [(i, r["ttft_ms"]) for i, r in enumerate(result["rows"]) if r["a_sent"] == sent]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=colour, label=label)
+    ax.axhline(result["threshold_ms"], color="k", ls="--", lw=1, label="B's threshold")
+    ax.set_yscale("log")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("B's TTFT (ms)")
+    salted = "with per-tenant cache_salt" if result["salted"] else "no salt"
+    ax.set_title(f"{salted}: B guesses right {result['accuracy']:.0%} of the time", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return ax

@@ -64,3 +64,14 @@ def chunk_size_slider(long_len: int = 1024, value: int = 128):
     slider = widgets.IntSlider(value=value, min=16, max=1024, step=16,
                                description="budget", continuous_update=False)
     return widgets.interactive(draw, budget=slider)
+
+
+def hash_chain_slider(prompts: dict[str, list[int]], value: int = 4):
+    """Move the block size; see which block keys two prompts share (notebook 05)."""
+
+    def draw(block_size: int):
+        print(viz.format_hash_chain(prompts, block_size))
+
+    slider = widgets.IntSlider(value=value, min=1, max=16, description="block_size",
+                               continuous_update=False)
+    return widgets.interactive(draw, block_size=slider)

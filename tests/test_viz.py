@@ -68,3 +68,19 @@ def test_scheduling_figures_draw():
     for fig in figs:
         assert fig.axes
         plt.close(fig)
+
+
+def test_prefix_figures_and_text():
+    text = viz.format_hash_chain({"A": list(range(10)), "B": list(range(9)) + [99]}, 4,
+                                 salts={"B": "s"})
+    assert "partial block" in text and "=" not in text.split("\n")[1]  # salted: nothing shared
+    same = viz.format_hash_chain({"A": list(range(10)), "B": list(range(9)) + [99]}, 4)
+    assert same.split("\n")[1].count("=") == 2  # 9 shared tokens: two full blocks
+    rows = [{"a_sent": i % 2 == 0, "ttft_ms": 10.0 + 100 * (i % 2), "cached": 0} for i in range(4)]
+    ax = viz.plot_ttft_attack({"rows": rows, "threshold_ms": 50.0, "salted": True,
+                               "accuracy": 0.5})
+    assert ax.figure.axes
+    plt.close(ax.figure)
+    w = widgets.hash_chain_slider({"A": [1, 2, 3], "B": [1, 2, 4]})
+    w.children[0].value = 2
+    w.update()

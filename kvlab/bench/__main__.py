@@ -6,7 +6,7 @@ import argparse
 import json
 
 from kvlab.bench import cow_savings, speed
-from kvlab.bench import scheduling
+from kvlab.bench import prefix, scheduling
 
 
 def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
@@ -29,6 +29,23 @@ def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
     return out
 
 
+def prefix_targets(model: str | None = None) -> dict:
+    """Issue 5's targets in one run: warm vs cold TTFT for a 2,048-token prefix + 32-token
+    tails, the throughput cost with no shared prefix, the attack with and without salts."""
+    out = {"cold_warm": prefix.cold_warm_ttft(2048, 32, model=model)}
+    print(json.dumps(out["cold_warm"]), flush=True)
+    out["no_sharing_cost"] = prefix.no_shared_prefix_cost(model=model)
+    print(json.dumps(out["no_sharing_cost"]), flush=True)
+    for salted in (False, True):
+        r = prefix.timing_attack(trials=20, salted=salted, model=model)
+        r.pop("rows")
+        out["attack_salted" if salted else "attack"] = r
+        print(json.dumps(r), flush=True)
+    out["salt_table"] = prefix.salt_table(model=model)
+    print(json.dumps(out["salt_table"]), flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,8 +65,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
+    p = sub.add_parser("prefix", help="issue 5's targets: cold/warm TTFT, cost with no sharing, salts")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if args.command == "speed":
+    if args.command == "prefix":
+        rows = prefix_targets(args.model)
+    elif args.command == "speed":
         rows = speed(tuple(args.batch_sizes), args.max_tokens, args.repeats, model=args.model)
     elif args.command == "sched":
         rows = scheduling_targets(args.repeats, args.model)
