@@ -134,3 +134,59 @@ def test_engine_request_ids(llm):
     assert llm.stats()["num_used_blocks"] > 0
     engine.abort_request("r1")
     assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(beam_width=0, max_tokens=4), ValueError, "beam_width"),
+        (dict(beam_width=2.0, max_tokens=4), TypeError, "beam_width"),
+        (dict(beam_width=2, max_tokens=0), ValueError, "max_tokens"),
+        (dict(beam_width=2, max_tokens=4, ignore_eos="no"), TypeError, "ignore_eos"),
+        (dict(beam_width=2, max_tokens=4, length_penalty="long"), TypeError, "length_penalty"),
+    ],
+)
+def test_bad_beam_search_params(kwargs, error, words):
+    from kvlab import BeamSearchParams
+
+    with pytest.raises(error, match=words):
+        BeamSearchParams(**kwargs)
+
+
+def _engine_entry_points():
+    """(name, call(llm), error, words): every other public way in, with bad input."""
+    from kvlab import BeamSearchParams
+
+    beams = BeamSearchParams(beam_width=2, max_tokens=4)
+    return [
+        ("beam_search empty prompt", lambda llm: llm.beam_search("", beams), ValueError, "empty"),
+        ("beam_search oversized", lambda llm: llm.beam_search(
+            {"prompt_token_ids": [5] * 200}, beams), ValueError, "max_model_len"),
+        ("beam_search bad salt", lambda llm: llm.beam_search(
+            {"prompt": "hi", "cache_salt": 1}, beams), TypeError, "cache_salt"),
+        ("beam_search no prompts", lambda llm: llm.beam_search([], beams), TypeError, "prompts"),
+        ("chat not messages", lambda llm: llm.chat(["hello"]), TypeError, "conversation"),
+        ("add_request bad params", lambda llm: llm.llm_engine.add_request(
+            "x", "hi", {"max_tokens": 3}), TypeError, "SamplingParams"),
+        ("add_request bad prompt", lambda llm: llm.llm_engine.add_request(
+            "x", {"prompt_token_ids": [-5]}, GREEDY), ValueError, "vocabulary"),
+        ("add_request empty id", lambda llm: llm.llm_engine.add_request("", "hi", GREEDY),
+         TypeError, "request_id"),
+        ("abort unknown id", lambda llm: llm.llm_engine.abort_request("ghost"), ValueError,
+         "unknown request_id"),
+        ("abort non-str id", lambda llm: llm.llm_engine.abort_request(3), ValueError,
+         "unknown request_id"),
+    ]
+
+
+@pytest.mark.parametrize("name, call, error, words", _engine_entry_points(),
+                         ids=[e[0] for e in _engine_entry_points()])
+def test_every_entry_point_refuses_bad_input_and_changes_nothing(llm, name, call, error, words):
+    good = {"prompt": "The capital of France is"}
+    before = llm.generate(good, GREEDY)[0].outputs[0].token_ids
+    stats_before = llm.stats()
+    with pytest.raises(error, match=words):
+        call(llm)
+    assert llm.stats() == stats_before
+    assert_no_blocks_held(llm)
+    assert llm.generate(good, GREEDY)[0].outputs[0].token_ids == before
