@@ -203,14 +203,21 @@ def plot_concurrency(rows: list[dict], key: str = "server"):
                      yerr=[[r["tok_s"] - r["tok_s_spread"][0] for r in pts],
                            [r["tok_s_spread"][1] - r["tok_s"] for r in pts]])
         ax2.plot(cs, [r["ttft_median_ms"] for r in pts], marker="o", label=name)
+    _concurrency_axes(fig, ax1, ax2)
+    return fig
+
+
+def _concurrency_axes(fig, ax1, ax2, knee: int | None = None) -> None:
+    """Shared styling: throughput left, TTFT right, concurrency on a log2 axis."""
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT median (ms)")):
+        if knee is not None:
+            ax.axvline(knee, color="k", ls="--", lw=1, label=f"KV tokens / request = {knee}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
 
 
 def plot_capacity(sweep: dict):
@@ -224,15 +231,7 @@ def plot_capacity(sweep: dict):
         if r["preemptions"]:
             ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=7,
                          textcoords="offset points", xytext=(-30, 6))
-    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT median (ms)")):
-        ax.axvline(sweep["predicted_knee"], color="k", ls="--", lw=1,
-                   label=f"KV tokens / request = {sweep['predicted_knee']}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"])
     return fig
 
 
