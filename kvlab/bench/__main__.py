@@ -46,6 +46,23 @@ def prefix_targets(model: str | None = None) -> dict:
     return out
 
 
+def client_benchmark(args) -> dict:
+    """Distinct random-token prompts (no accidental prefix-cache hits), streamed."""
+    import asyncio
+    import random
+
+    from kvlab.bench.client import run_benchmark
+    from kvlab.bench.prefix import random_prompt
+
+    rng = random.Random(0)
+    prompts = [random_prompt(rng, args.input_len) for _ in range(args.num_requests)]
+    out = asyncio.run(run_benchmark(args.base_url, prompts, args.model, args.max_tokens,
+                                    args.concurrency, args.request_rate))
+    out.pop("results")
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,8 +85,19 @@ def main(argv=None) -> None:
     p = sub.add_parser("prefix", help="issue 5's targets: cold/warm TTFT, cost with no sharing, salts")
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
+    p = sub.add_parser("client", help="stream requests to any OpenAI-compatible endpoint")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="default", help="the model name the server expects")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if args.command == "prefix":
+    if args.command == "client":
+        rows = client_benchmark(args)
+    elif args.command == "prefix":
         rows = prefix_targets(args.model)
     elif args.command == "speed":
         rows = speed(tuple(args.batch_sizes), args.max_tokens, args.repeats, model=args.model)

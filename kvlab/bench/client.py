@@ -1,0 +1,98 @@
+"""A streaming benchmark client for any OpenAI-compatible endpoint: `kvlab serve` here, a vLLM
+server in production. It records TTFT and inter-token latencies per request.
+
+    python -m kvlab.bench client --base-url http://127.0.0.1:8000 --num-requests 32 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvlab.bench.scheduling import percentile
+
+
+@dataclass
+class StreamResult:
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    text: str = ""
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> StreamResult:
+    res = StreamResult()
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = last = time.perf_counter()
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            res.error = f"{resp.status}: {await resp.text()}"
+            return res
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                res.completion_tokens = chunk["usage"]["completion_tokens"]
+                res.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for choice in chunk["choices"]:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if not piece:
+                    continue
+                now = time.perf_counter()
+                if res.ttft is None:
+                    res.ttft = now - t0
+                else:
+                    res.itls.append(now - last)
+                last = now
+                res.text += piece
+    return res
+
+
+async def run_benchmark(base_url: str, prompts: list, model: str = "default",
+                        max_tokens: int = 32, concurrency: int = 8,
+                        request_rate: float | None = None, seed: int = 0,
+                        extra: dict | None = None) -> dict:
+    """Send every prompt (str or token ids), at most `concurrency` in flight, arrivals Poisson at
+    `request_rate` per second (None: all at once); summarise TTFT, ITL and throughput."""
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency)
+    url = base_url.rstrip("/") + "/v1/completions"
+
+    async def one(session, prompt, delay):
+        await asyncio.sleep(delay)
+        async with sem:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, **(extra or {})}
+            return await stream_one(session, url, body)
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        if request_rate:
+            t += rng.expovariate(request_rate)
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(one(session, p, d) for p, d in zip(prompts, delays)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "requests": len(prompts), "errors": len(results) - len(ok), "concurrency": concurrency,
+        "output_tok_s": round(tokens / wall, 1),
+        "ttft_median_ms": round(1000 * statistics.median(ttfts), 1) if ttfts else None,
+        "itl_median_ms": round(1000 * percentile(itls, 50), 1) if itls else None,
+        "itl_p99_ms": round(1000 * percentile(itls, 99), 1) if itls else None,
+        "results": results,
+    }
