@@ -94,8 +94,20 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", help="also write the results to this file")
+    p = sub.add_parser("peers", help="kvlab vs transformers generate and generate_batch, and "
+                                     "kvlab's fraction of this machine's ceiling")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if args.command == "client":
+    if args.command == "peers":
+        from kvlab.bench import peers
+
+        rows = {"ceiling": peers.ceiling_fraction(model=args.model)}
+        print(json.dumps(rows["ceiling"]), flush=True)
+        rows["peers"] = peers.compare_peers(repeats=args.repeats, model=args.model)
+        print(json.dumps(rows["peers"]), flush=True)
+    elif args.command == "client":
         rows = client_benchmark(args)
     elif args.command == "prefix":
         rows = prefix_targets(args.model)

@@ -1,0 +1,134 @@
+"""Peers side by side, and this machine's ceiling (issue 6).
+
+- transformers `generate` (static, padded) and `generate_batch` (its continuous batching with
+  paged attention) against kvlab, same prompts, same weights, useful output tokens per second;
+- the machine's limit: measured matmul rate and memory bandwidth, turned into a decode-step
+  time floor for this model at a given batch, and kvlab's fraction of it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvlab.bench.common import make_prompts, transformers_generate
+from kvlab.engine import LLM
+from kvlab.model import load_model
+from kvlab.sampling import SamplingParams
+
+
+def transformers_generate_batch(hf_model, prompts: list[list[int]], max_tokens: int) -> list:
+    """transformers' own continuous batching (`generate_batch`), greedy, EOS not stopping."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    with torch.inference_mode():
+        out = hf_model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    return [o.generated_tokens for o in out.values()]
+
+
+def compare_peers(num_requests: int = 16, input_lens=(64, 128), output_lens=(96, 128),
+                  repeats: int = 3, model: str | None = None) -> dict:
+    """Useful output tokens/s of kvlab, `generate` and `generate_batch` on one mixed-length
+    workload; the transformers peers run every request to the longest output (they take one
+    max_new_tokens), so only the requested tokens count as useful."""
+    loaded = load_model(model)
+    tok = loaded.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    n = num_requests
+    lens_in = [input_lens[0] + (input_lens[1] - input_lens[0]) * ((5 * i) % n) // max(n - 1, 1)
+               for i in range(n)]
+    lens_out = [output_lens[0] + (output_lens[1] - output_lens[0]) * ((3 * i) % n) // max(n - 1, 1)
+                for i in range(n)]
+    prompts = [p[:k] for p, k in zip(make_prompts(tok, n, max(input_lens), max(input_lens)), lens_in)]
+    params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in lens_out]
+    llm = LLM(model, max_model_len=max(input_lens) + max(output_lens) + 16)
+    work = {
+        "kvlab": lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params),
+        "transformers generate": lambda: transformers_generate(
+            loaded.hf_model, prompts, max(lens_out), pad_id),
+        "transformers generate_batch": lambda: transformers_generate_batch(
+            loaded.hf_model, prompts, max(lens_out)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in work}
+    first = {name: fn() for name, fn in work.items()}  # warm-up, kept to check the tokens
+    ours = [o.outputs[0].token_ids for o in first["kvlab"]]
+    identical = {name: sum(list(t[:k]) == o for t, k, o in zip(out, lens_out, ours))
+                 for name, out in first.items() if name != "kvlab"}
+    for _ in range(repeats):  # interleaved
+        for name, fn in work.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    useful = sum(lens_out)
+    rows = {k: {"useful_tok_s": round(useful / statistics.median(t), 1),
+                "spread_s": [round(min(t), 2), round(max(t), 2)]} for k, t in times.items()}
+    kv = rows["kvlab"]["useful_tok_s"]
+    return {"rows": rows, "useful_tokens": useful,
+            "identical_to_kvlab": {k: f"{v}/{n}" for k, v in identical.items()},
+            "kvlab_over_generate": round(kv / rows["transformers generate"]["useful_tok_s"], 2),
+            "kvlab_over_generate_batch": round(
+                kv / rows["transformers generate_batch"]["useful_tok_s"], 2)}
+
+
+def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5) -> dict:
+    """This machine's fp32 matmul rate (FLOP/s) and memory bandwidth (bytes/s), best of runs."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    t = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    src = torch.empty(copy_mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    c = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return {"matmul_flops": 2 * size**3 / t, "bandwidth_bytes": 2 * src.numel() * 4 / c}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decode_ceiling(batch: int, context: int, rates: dict, model: str | None = None) -> dict:
+    """The fastest a decode step could be at `batch` sequences of `context` tokens: the larger
+    of its arithmetic at the matmul rate and its bytes (weights once, plus every sequence's KV)
+    at the memory bandwidth."""
+    loaded = load_model(model)
+    cfg = loaded.config
+    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
+    params = sum(p.numel() for p in loaded.hf_model.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context
+    flops = batch * (2 * params + attn_flops)
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
+    bytes_moved = params * itemsize + batch * context * kv_bytes
+    step = max(flops / rates["matmul_flops"], bytes_moved / rates["bandwidth_bytes"])
+    return {"batch": batch, "context": context, "step_ms": round(1000 * step, 2),
+            "tok_s": round(batch / step, 1),
+            "bound": "compute" if flops / rates["matmul_flops"] > bytes_moved / rates[
+                "bandwidth_bytes"] else "memory"}
+
+
+def ceiling_fraction(batch: int = 16, input_len: int = 96, output_len: int = 64,
+                     model: str | None = None) -> dict:
+    """kvlab's decode throughput at `batch` running requests as a fraction of the ceiling."""
+    rates = machine_rates()
+    llm = LLM(model, max_model_len=input_len + output_len + 16)
+    tok = llm.get_tokenizer()
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(tok, batch, input_len, input_len)]
+    llm.generate(prompts[:2], sp)  # warm-up
+    first = llm.llm_engine.num_steps
+    llm.generate(prompts, sp)
+    steps = [r for r in llm.llm_engine.step_trace
+             if r.step > first and r.num_prefill_tokens == 0 and len(r.request_ids) == batch]
+    step_s = statistics.median(r.step_time for r in steps)
+    ceiling = decode_ceiling(batch, input_len + output_len // 2, rates, model)
+    measured = batch / step_s
+    return {"matmul_gflops": round(rates["matmul_flops"] / 1e9, 1),
+            "bandwidth_gb_s": round(rates["bandwidth_bytes"] / 1e9, 1),
+            "ceiling": ceiling, "kvlab_decode_tok_s": round(measured, 1),
+            "fraction_of_ceiling": round(measured / ceiling["tok_s"], 3)}

@@ -1,0 +1,26 @@
+"""The peers and the ceiling arithmetic (issue 6's benchmark pieces)."""
+
+from __future__ import annotations
+
+from kvlab import LLM, SamplingParams
+from kvlab.bench.peers import decode_ceiling, transformers_generate_batch
+
+
+def test_generate_batch_peer_gives_kvlab_tokens(loaded, text_ids):
+    prompts = [text_ids[:20], text_ids[5:40]]
+    theirs = transformers_generate_batch(loaded.hf_model, prompts, 6)
+    ours = LLM(max_model_len=128, kv_cache_tokens=1024).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [list(t) for t in theirs] == [o.outputs[0].token_ids for o in ours]
+
+
+def test_decode_ceiling_arithmetic(loaded):
+    rates = {"matmul_flops": 1e11, "bandwidth_bytes": 1e10}
+    one = decode_ceiling(1, 100, rates)
+    many = decode_ceiling(64, 100, rates)
+    # Batch 1 reads every weight for one token: memory-bound; batch 64 is compute-bound here.
+    assert one["bound"] == "memory" and many["bound"] == "compute"
+    params = sum(p.numel() for p in loaded.hf_model.parameters())
+    assert one["step_ms"] >= 1000 * params * 4 / 1e10 - 0.01
+    assert many["tok_s"] > one["tok_s"]
