@@ -63,3 +63,18 @@ def transformers_generate(hf_model, prompts: list[list[int]], max_tokens: int, p
             min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id,
         )
     return [row[width:].tolist() for row in out]
+
+
+def mixed_workload(tokenizer, num_requests: int, input_lens=(64, 128), output_lens=(96, 128)):
+    """Prompts and greedy SamplingParams with lengths spread over the two ranges, shuffled
+    against each other (deterministic): the mixed-length workload of chapters 03 and 07."""
+    from kvlab.sampling import SamplingParams
+
+    n = num_requests
+    spread = lambda lo, hi, i, k: lo + (hi - lo) * ((k * i) % n) // max(n - 1, 1)  # noqa: E731
+    lens_in = [spread(*input_lens, i, 5) for i in range(n)]
+    lens_out = [spread(*output_lens, i, 3) for i in range(n)]
+    base = make_prompts(tokenizer, n, max(input_lens), max(input_lens))
+    prompts = [p[:k] for p, k in zip(base, lens_in)]
+    params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in lens_out]
+    return prompts, params, lens_out

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kvlab.bench.common import make_prompts, transformers_generate
+from kvlab.bench.common import make_prompts, mixed_workload, transformers_generate
 from kvlab.engine import LLM
 from kvlab.model import load_model
 from kvlab.sampling import SamplingParams
@@ -39,12 +39,7 @@ def compare_peers(num_requests: int = 16, input_lens=(64, 128), output_lens=(96,
     tok = loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     n = num_requests
-    lens_in = [input_lens[0] + (input_lens[1] - input_lens[0]) * ((5 * i) % n) // max(n - 1, 1)
-               for i in range(n)]
-    lens_out = [output_lens[0] + (output_lens[1] - output_lens[0]) * ((3 * i) % n) // max(n - 1, 1)
-                for i in range(n)]
-    prompts = [p[:k] for p, k in zip(make_prompts(tok, n, max(input_lens), max(input_lens)), lens_in)]
-    params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in lens_out]
+    prompts, params, lens_out = mixed_workload(tok, n, input_lens, output_lens)
     llm = LLM(model, max_model_len=max(input_lens) + max(output_lens) + 16)
     work = {
         "kvlab": lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.bench.common import make_prompts, transformers_generate
+from kvlab.bench.common import make_prompts, mixed_workload, transformers_generate
 from kvlab.engine import LLM
 from kvlab.metrics import StepRecord
 from kvlab.model import load_model
@@ -151,13 +151,7 @@ def throughput_targets(num_requests: int = 16, input_lens=(64, 128), output_lens
     loaded = load_model(model)
     tok = loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    lens_in = [input_lens[0] + (input_lens[1] - input_lens[0]) * ((5 * i) % num_requests)
-               // max(num_requests - 1, 1) for i in range(num_requests)]
-    lens_out = [output_lens[0] + (output_lens[1] - output_lens[0]) * ((3 * i) % num_requests)
-                // max(num_requests - 1, 1) for i in range(num_requests)]
-    base = make_prompts(tok, num_requests, max(input_lens), max(input_lens))
-    prompts = [p[:n] for p, n in zip(base, lens_in)]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens_out]
+    prompts, params, lens_out = mixed_workload(tok, num_requests, input_lens, output_lens)
     useful = sum(lens_out)
     max_len = max(input_lens) + max(output_lens) + 16
     engines = {"continuous": LLM(model, max_model_len=max_len),
