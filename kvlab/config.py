@@ -93,15 +93,8 @@ class EngineConfig:
                 "enable_prefix_caching needs kv_layout='paged': a contiguous region cannot "
                 "share blocks with other requests"
             )
-        if (
-            self.kv_cache_tokens is not None
-            and self.max_model_len is not None
-            and self.kv_cache_tokens < self.max_model_len
-        ):
-            raise ValueError(
-                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one request of "
-                f"max_model_len={self.max_model_len}: raise kv_cache_tokens or lower max_model_len"
-            )
+        if self.kv_cache_tokens is not None and self.max_model_len is not None:
+            self._check_one_request_fits()
 
     def resolve(self, model_max_len: int, default_kv_tokens: int) -> None:
         """Fill in the `None` knobs once the model is known, and check the combination.
@@ -124,11 +117,7 @@ class EngineConfig:
             )
         if self.kv_cache_tokens is None:
             self.kv_cache_tokens = max(default_kv_tokens, self.max_model_len)
-        if self.kv_cache_tokens < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one request of "
-                f"max_model_len={self.max_model_len}: raise kv_cache_tokens or lower max_model_len"
-            )
+        self._check_one_request_fits()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (
                 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
@@ -139,6 +128,13 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len}: with enable_chunked_prefill=False a whole "
                 "prompt must fit in one step; raise the budget, lower max_model_len, or enable "
                 "chunked prefill"
+            )
+
+    def _check_one_request_fits(self) -> None:
+        if self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one request of "
+                f"max_model_len={self.max_model_len}: raise kv_cache_tokens or lower max_model_len"
             )
 
     @property

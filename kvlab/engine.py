@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from kvlab.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from kvlab.config import EngineConfig
-from kvlab.inputs import parse_prompt
+from kvlab.inputs import ParsedPrompt, parse_prompt
 from kvlab.kv_cache import KVCacheManager, allocate_kv_cache
 from kvlab.metrics import RequestMetrics, StepRecord
 from kvlab.model import Transformer, load_model
@@ -92,7 +92,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         params = SamplingParams() if params is None else params
-        parsed = self.validate_request(request_id, prompt, params)
+        self.add_parsed_request(request_id, self.validate_request(request_id, prompt, params),
+                                params)
+
+    def add_parsed_request(self, request_id: str, parsed: ParsedPrompt,
+                           params: SamplingParams) -> None:
+        """Add a request that `validate_request` has already checked and tokenized."""
         now = time.perf_counter()
         base_seed = params.seed
         if base_seed is None:  # reproducible per engine, distinct per request and sample
@@ -364,12 +369,13 @@ class LLM:
                 f"got {type(sampling_params).__name__}"
             )
         ids = [f"gen-{self.request_counter + i}" for i in range(len(prompts))]
-        for rid, prompt, sp in zip(ids, prompts, params):
-            engine.validate_request(rid, prompt, sp)
+        # Tokenized once here; nothing is added unless every prompt passed.
+        parsed = [engine.validate_request(rid, prompt, sp)
+                  for rid, prompt, sp in zip(ids, prompts, params)]
         self.request_counter += len(prompts)
 
-        for rid, prompt, sp in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, sp)
+        for rid, pp, sp in zip(ids, parsed, params):
+            engine.add_parsed_request(rid, pp, sp)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
