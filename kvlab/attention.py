@@ -5,6 +5,9 @@ Defined in notebook 01. `paged_attention_reference` is the version to read: one 
 time, gather its blocks, attend. `paged_attention_decode` is the same arithmetic for a batch of
 single-token decodes in one call (block tables padded, padding masked out); it is what makes
 batch-16 decoding cheap, and tests prove it gives the same tokens.
+
+`backend="flex"` sends every step through `flex_attention.paged_attention_flex` instead (the GPU
+path): PyTorch's FlexAttention reads the pool in place, the block tables turned into a mask.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvlab.flex_attention import paged_attention_flex
 
 
 @dataclass
@@ -27,6 +32,7 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # (B, max_blocks), padded with block 0
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size), True = attend
     use_reference: bool = False  # force the one-sequence-at-a-time path
+    flex_block_mask: object | None = None  # FlexAttention's BlockMask, when backend="flex"
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
@@ -100,6 +106,8 @@ def paged_attention_decode(
 def paged_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    if meta.flex_block_mask is not None:
+        return paged_attention_flex(q, kv_layer, meta, scale)
     if meta.decode_block_table is not None and not meta.use_reference:
         return paged_attention_decode(q, kv_layer, meta, scale)
     return paged_attention_reference(q, kv_layer, meta, scale)

@@ -14,7 +14,7 @@ from kvlab.prefix_cache import HASH_ALGOS
 
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("continuous", "static")
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "flex")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -65,8 +65,10 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # seeds sampling of requests that bring no seed of their own
     # kvlab-only. "reference": the readable path (plain matmuls, attention one sequence at a
-    # time). "auto": the same arithmetic, faster (oneDNN-packed weights on CPU, batched decode
-    # attention); tests prove both give transformers' tokens.
+    # time). "auto": the same arithmetic, faster (fused q/k/v and gate/up matmuls, oneDNN-packed
+    # on CPU, batched decode attention). "flex": "auto"'s matmuls with FlexAttention reading the
+    # pool in place (the GPU path; on a CPU it runs eagerly, slowly, as a check). Tests prove
+    # all three give transformers' tokens.
     backend: str = "auto"
 
     def __post_init__(self) -> None:

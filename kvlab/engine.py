@@ -35,7 +35,7 @@ class LLMEngine:
         self.config = config
         self.loaded = load_model(config.model, config.device, config.dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.model = Transformer(self.loaded, fast=config.backend == "auto")
+        self.model = Transformer(self.loaded, fast=config.backend != "reference")
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
         config.resolve(
@@ -59,7 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.model_runner = ModelRunner(
             self.model, self.kv_cache, self.kv_cache_manager, self.device,
-            use_reference_attention=config.backend == "reference",
+            attention_backend=config.backend,
         )
         self.requests: dict[str, Request] = {}  # every unfinished sample, by its own id
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples

@@ -11,6 +11,7 @@ import time
 import torch
 
 from kvlab.attention import AttentionMetadata
+from kvlab.flex_attention import flex_block_mask
 from kvlab.kv_cache import KVCacheManager
 from kvlab.model import Transformer
 from kvlab.request import Request
@@ -23,14 +24,14 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         kv_cache_manager: KVCacheManager,
         device: torch.device,
-        use_reference_attention: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.device = device
-        self.use_reference_attention = use_reference_attention
+        self.attention_backend = attention_backend  # "auto", "reference" or "flex"
         self.last_forward_time = 0.0
 
     def prepare(self, scheduled: list[tuple[Request, int]]):
@@ -61,10 +62,13 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=[torch.tensor(b, dtype=torch.long, device=dev) for b in block_ids_per_seq],
-            use_reference=self.use_reference_attention,
+            use_reference=self.attention_backend == "reference",
         )
         num_seqs = len(scheduled)
-        if num_seqs > 1 and len(input_ids) == num_seqs:
+        if self.attention_backend == "flex":
+            meta.flex_block_mask = flex_block_mask(block_ids_per_seq, query_start_loc, seq_lens,
+                                                   self.kv_cache.shape[2], bs, dev)
+        elif num_seqs > 1 and len(input_ids) == num_seqs:
             # A pure decode step: pad the block tables to one rectangle (with block 0, which is
             # masked out) so all sequences attend in one call.
             max_blocks = max(len(b) for b in block_ids_per_seq)

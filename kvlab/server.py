@@ -2,7 +2,8 @@
 
 Endpoints as vLLM's: `/v1/completions` and `/v1/chat/completions` (with `"stream": true` for
 server-sent events), `cache_salt` in the request body, `usage.prompt_tokens_details.cached_tokens`
-in the response, `/metrics` in Prometheus text, `/v1/models`, `/health`.
+in the response (with `--enable-prompt-tokens-details`, as in vLLM), `/metrics` in Prometheus
+text, `/v1/models`, `/health`.
 
 One worker thread steps the engine while requests are unfinished; each HTTP request waits on an
 asyncio queue for its outputs. A client that disconnects has its request aborted at once, which
@@ -102,15 +103,18 @@ def sampling_params(body: dict) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def usage(out) -> dict:
+def usage(out, prompt_tokens_details: bool) -> dict:
     completion = sum(len(o.token_ids) for o in out.outputs)
     prompt = len(out.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+    counts = {"prompt_tokens": prompt, "completion_tokens": completion,
+              "total_tokens": prompt + completion}
+    if prompt_tokens_details:  # vLLM reports cached tokens only when asked to
+        counts["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
+    return counts
 
 
-def build_app(llm: LLM, model_name: str | None = None) -> web.Application:
+def build_app(llm: LLM, model_name: str | None = None,
+              enable_prompt_tokens_details: bool = False) -> web.Application:
     engine = AsyncEngine(llm)
     name = model_name or llm.llm_engine.loaded.name
     app = web.Application()
@@ -179,7 +183,7 @@ def build_app(llm: LLM, model_name: str | None = None) -> web.Application:
                 for o in out.outputs
             ]
             return web.json_response({"id": out.request_id, "object": kind, "created": created,
-                                      "model": name, "choices": choices, "usage": usage(out)})
+                                      "model": name, "choices": choices, "usage": usage(out, enable_prompt_tokens_details)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -204,7 +208,7 @@ def build_app(llm: LLM, model_name: str | None = None) -> web.Application:
                 out = await gen.__anext__()
             if include_usage:
                 chunk = {"id": out.request_id, "object": kind, "created": created, "model": name,
-                         "choices": [], "usage": usage(out)}
+                         "choices": [], "usage": usage(out, enable_prompt_tokens_details)}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -252,6 +256,45 @@ def jinja_errors():
         return ValueError
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, **app_kwargs) -> None:
     """Run until interrupted. Loopback by default: this is a workshop server, not a service."""
-    web.run_app(build_app(llm), host=host, port=port, handler_cancellation=True)
+    web.run_app(build_app(llm, **app_kwargs), host=host, port=port, handler_cancellation=True)
+
+
+class BackgroundServer:
+    """The same server on a thread of its own, for a notebook or a test: `.url`, then `.stop()`.
+
+    Jupyter already runs an event loop in the main thread, so the server gets its own loop.
+    """
+
+    def __init__(self, llm: LLM, port: int = 0, **app_kwargs) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(build_app(llm, **app_kwargs), handler_cancellation=True)
+        started = threading.Event()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(self.runner.setup())
+                site = web.TCPSite(self.runner, "127.0.0.1", port)
+                self.loop.run_until_complete(site.start())
+            except BaseException as e:  # e.g. the port is taken: reported by the caller
+                failed.append(e)
+                started.set()
+                return
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="kvlab-server", daemon=True)
+        self.thread.start()
+        started.wait(60)
+        if failed:
+            raise failed[0]
+        host, self.port = self.runner.addresses[0][:2]  # port 0: the OS picked a free one
+        self.url = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

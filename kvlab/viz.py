@@ -326,3 +326,30 @@ def plot_ttft_attack(result: dict, ax=None):
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return ax
+
+
+def plot_peers(peers: dict, ceiling: dict):
+    """Left: useful output tokens/s of kvlab and its peers on one workload (compare_peers).
+    Right: kvlab's decode rate at the ceiling's batch against this machine's two limits
+    (ceiling_fraction): the arithmetic at the matmul rate and the bytes at the bandwidth."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.4), width_ratios=(3, 2))
+    names = list(peers["rows"])
+    rates = [peers["rows"][n]["useful_tok_s"] for n in names]
+    bars = ax1.barh(names, rates, color=[_colour(i) for i in range(len(names))])
+    ax1.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("useful output tokens/s")
+    ax1.set_title(f"{peers['useful_tokens']} tokens, same prompts and weights", fontsize=9)
+    c = ceiling["ceiling"]
+    labels = ["arithmetic\nlimit", "memory\nlimit", "kvlab"]
+    values = [c["compute_bound_tok_s"], c["memory_bound_tok_s"], ceiling["kvlab_decode_tok_s"]]
+    bars = ax2.bar(labels, values, color=["0.75", "0.6", _colour(0)])
+    ax2.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax2.tick_params(axis="x", labelsize=8)
+    ax2.set_ylabel("decode tokens/s")
+    ax2.set_title(f"batch {c['batch']}, context {c['context']}: "
+                  f"{ceiling['fraction_of_ceiling']:.0%} of the limit", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="x" if ax is ax1 else "y")
+    fig.tight_layout()
+    return fig

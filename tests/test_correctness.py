@@ -31,15 +31,32 @@ def test_greedy_matches_transformers(block_size, kv_layout, text_ids, hf_greedy)
     assert_no_blocks_held(llm)
 
 
-def test_paged_equals_contiguous_equals_reference_attention(text_ids):
+def test_paged_equals_contiguous_equals_reference_and_flex_attention(text_ids):
     prompts = [{"prompt_token_ids": text_ids[i : i + 20 + 9 * i]} for i in range(6)]
     results = []
-    for layout, backend in [("paged", "auto"), ("contiguous", "auto"), ("paged", "reference")]:
+    for layout, backend in [("paged", "auto"), ("contiguous", "auto"), ("paged", "reference"),
+                            ("paged", "flex")]:
         llm = LLM(block_size=8, kv_layout=layout, backend=backend, max_model_len=256,
                   kv_cache_tokens=2048)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
         assert_no_blocks_held(llm)
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1] == results[2] == results[3]
+
+
+def test_flex_attention_with_chunks_prefix_hits_and_preemption(text_ids, hf_greedy):
+    """The GPU path's mask (block tables -> which pool slots each token sees) on a CPU, eagerly:
+    chunked prompts, shared cached blocks and recomputed preempted requests all go through it."""
+    system = text_ids[:48]
+    prompts = [system + text_ids[60 + 7 * i : 60 + 7 * i + 10 + 5 * i] for i in range(4)]
+    llm = LLM(backend="flex", block_size=8, max_model_len=128, kv_cache_tokens=192,
+              max_num_batched_tokens=32, enable_prefix_caching=True)
+    for _ in range(2):  # the second pass hits the cached system prompt
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(p, N_NEW)
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert_no_blocks_held(llm)
 
 
 def test_chunked_prefill_and_static_scheduling_give_the_same_tokens(text_ids, hf_greedy):
@@ -68,24 +85,31 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs_exact(text_ids, hf_gree
     assert_no_blocks_held(llm)
 
 
-@pytest.mark.parametrize("backend, tolerance", [("reference", 5e-4), ("auto", 1e-3)])
+@pytest.mark.parametrize("backend, tolerance", [("reference", 5e-4), ("auto", 1e-3),
+                                                ("flex", 1e-3)])
 def test_logits_match_transformers_within_tolerance(loaded, text_ids, backend, tolerance):
     """Token equality rests on this: kvlab's logits equal transformers' up to float summation
     order. The reference backend runs transformers' own matmul calls; "auto" packs weights for
-    oneDNN, which sums in another order. Logits here reach ~40; measured differences are under
-    1e-4 (reference) and 1e-4 (auto): `tolerance` leaves room for other CPUs."""
+    oneDNN, which sums in another order; "flex" attends through FlexAttention. Logits here
+    reach ~40; measured differences are under 1e-4 for all three: `tolerance` leaves room for
+    other CPUs."""
     import torch
 
     from kvlab.attention import AttentionMetadata
+    from kvlab.flex_attention import flex_block_mask
     from kvlab.model import Transformer
 
     prompt = text_ids[:40]
     with torch.inference_mode():
         ref = loaded.hf_model(torch.tensor([prompt])).logits[0].float()  # (T, V)
-    model = Transformer(loaded, fast=backend == "auto")
-    kv = torch.zeros((model.num_layers, 2, 3, 16, model.num_kv_heads, model.head_dim))
-    meta = AttentionMetadata(slot_mapping=torch.arange(40), query_start_loc=[0, 40],
-                             seq_lens=[40], block_tables=[torch.tensor([0, 1, 2])])
+    model = Transformer(loaded, fast=backend != "reference")
+    kv = torch.zeros((model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim))
+    # Blocks out of order, with an unused one in the pool: the mask must follow the table.
+    table = torch.tensor([2, 0, 3])
+    meta = AttentionMetadata(slot_mapping=(table[:, None] * 16 + torch.arange(16)).flatten()[:40],
+                             query_start_loc=[0, 40], seq_lens=[40], block_tables=[table])
+    if backend == "flex":
+        meta.flex_block_mask = flex_block_mask([[2, 0, 3]], [0, 40], [40], 4, 16, "cpu")
     hidden = model.forward(torch.tensor(prompt), torch.arange(40), kv, meta)
     ours = model.compute_logits(hidden)
     diff = (ours - ref).abs().max().item()

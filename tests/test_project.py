@@ -54,3 +54,15 @@ def test_notebooks_are_committed_executed_and_clean():
             assert not any(o["output_type"] == "error" for o in c["outputs"]), path.name
             assert "application/vnd.jupyter.widget-view+json" not in json.dumps(c["outputs"]) or \
                 "NBVAL_IGNORE_OUTPUT" in "".join(c["source"]), f"{path.name}: widget output unchecked"
+
+
+def test_gpu_check_script_runs_its_checks_here(loaded, text_ids):
+    """benchmarks/gpu_check.py waits for a GPU; its pieces run on the CPU, so it cannot rot."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check",
+                                                  ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.machine("cpu")["device"] == "cpu"
+    assert gpu_check.flex_logit_diff(loaded, text_ids[:40]) < 1e-3

@@ -5,48 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from aiohttp import web
 
 from kvlab import LLM, SamplingParams
 from kvlab.bench.client import run_benchmark
-from kvlab.server import build_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvlab.server import BackgroundServer
 
 
 @pytest.fixture(scope="module")
 def server():
     llm = LLM(max_model_len=256, kv_cache_tokens=4096, enable_prefix_caching=True)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(llm), handler_cancellation=True)
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60)
-    yield f"http://127.0.0.1:{port}", llm
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    background = BackgroundServer(llm, enable_prompt_tokens_details=True)
+    yield background.url, llm
+    background.stop()
 
 
 def post(url: str, body, raw: bytes | None = None):
@@ -122,6 +97,34 @@ def test_cache_salt_and_cached_tokens(server):
                 if line.startswith("kvlab:prefix_cache_hits_total"))
     assert float(hits.split()[1]) >= 96
     assert "kvlab:num_preemptions_total" in metrics
+
+
+def test_serve_flags_map_onto_llm_knobs():
+    from kvlab.cli import engine_kwargs, parser
+
+    args = parser().parse_args(
+        "serve --block-size 32 --max-num-seqs 8 --max-num-batched-tokens 256 --max-model-len 256 "
+        "--enable-prefix-caching --no-enable-chunked-prefill --prefix-caching-hash-algo sha512 "
+        "--enable-prompt-tokens-details".split())
+    assert args.enable_prompt_tokens_details
+    config = LLM(**engine_kwargs(args)).llm_engine.config
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_model_len) == (32, 8, 256, 256)
+    assert config.enable_prefix_caching and not config.enable_chunked_prefill
+    assert config.prefix_caching_hash_algo == "sha512"
+
+
+def test_prompt_tokens_details_only_when_enabled():
+    """As vLLM: `usage.prompt_tokens_details` appears only with --enable-prompt-tokens-details."""
+    background = BackgroundServer(LLM(max_model_len=64, kv_cache_tokens=512))
+    try:
+        status, text = post(background.url + "/v1/completions",
+                            {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    finally:
+        background.stop()
+    assert status == 200
+    assert json.loads(text)["usage"]["total_tokens"] > 2
+    assert "prompt_tokens_details" not in json.loads(text)["usage"]
 
 
 @pytest.mark.parametrize("body, raw, words", [

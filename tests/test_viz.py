@@ -84,3 +84,17 @@ def test_prefix_figures_and_text():
     w = widgets.hash_chain_slider({"A": [1, 2, 3], "B": [1, 2, 4]})
     w.children[0].value = 2
     w.update()
+
+
+def test_peers_figure_labels_every_bar():
+    peers = {"rows": {"kvlab": {"useful_tok_s": 220.0}, "transformers generate": {
+        "useful_tok_s": 130.0}}, "useful_tokens": 1800}
+    ceiling = {"ceiling": {"batch": 16, "context": 128, "compute_bound_tok_s": 700.0,
+                           "memory_bound_tok_s": 2000.0}, "kvlab_decode_tok_s": 420.0,
+               "fraction_of_ceiling": 0.6}
+    fig = viz.plot_peers(peers, ceiling)
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_yticklabels()] == list(peers["rows"])
+    assert [round(b.get_height()) for b in right.patches] == [700, 2000, 420]
+    assert "60% of the limit" in right.get_title()
+    plt.close(fig)

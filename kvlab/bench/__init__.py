@@ -1,7 +1,12 @@
 """Benchmarks: kvlab against its peers, side by side in one run, reported as ratios.
 
+    python -m kvlab.bench seeds [NAME ...] # every chapter's seed experiment, JSON and CSV
     python -m kvlab.bench speed            # kvlab vs transformers generate, batch 1 and 16
     python -m kvlab.bench cow              # KV memory saved by block sharing (chapter 02)
+    python -m kvlab.bench sched            # continuous batching and chunked prefill targets
+    python -m kvlab.bench prefix           # prefix caching and cache_salt targets
+    python -m kvlab.bench peers            # transformers generate / generate_batch, the ceiling
+    python -m kvlab.bench client           # stream to any OpenAI-compatible server
 
 Protocol (as the seed articles): one warm-up run excluded, then `repeats` runs; the median and
 the spread (min-max) are reported. Both sides generate exactly `max_tokens` tokens (EOS ignored)

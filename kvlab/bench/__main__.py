@@ -94,12 +94,30 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", help="also write the results to this file")
+    from kvlab.bench.seeds import EXPERIMENTS
+
+    p = sub.add_parser("seeds", help="the seed articles' experiments, tables saved as JSON and CSV")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"any of {', '.join(EXPERIMENTS)} (default: all, in chapter order)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default=None)
+    p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.csv")
     p = sub.add_parser("peers", help="kvlab vs transformers generate and generate_batch, and "
                                      "kvlab's fraction of this machine's ceiling")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.command == "seeds":
+        from pathlib import Path
+
+        from kvlab.bench.seeds import run_seeds
+
+        unknown = sorted(set(args.names) - set(EXPERIMENTS))
+        if unknown:
+            parser.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
+        run_seeds(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
+        return
     if args.command == "peers":
         from kvlab.bench import peers
 

@@ -43,7 +43,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 res.completion_tokens = chunk["usage"]["completion_tokens"]
-                res.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                # Present only when the server reports it (vLLM: --enable-prompt-tokens-details).
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                res.cached_tokens = details.get("cached_tokens") or 0
             for choice in chunk["choices"]:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if not piece:
@@ -62,8 +64,9 @@ async def run_benchmark(base_url: str, prompts: list, model: str = "default",
                         max_tokens: int = 32, concurrency: int = 8,
                         request_rate: float | None = None, seed: int = 0,
                         extra: dict | None = None) -> dict:
-    """Send every prompt (str or token ids), at most `concurrency` in flight, arrivals Poisson at
-    `request_rate` per second (None: all at once); summarise TTFT, ITL and throughput."""
+    """Send every prompt, at most `concurrency` in flight, arrivals Poisson at `request_rate` per
+    second (None: all at once); summarise TTFT, ITL and throughput. A prompt is a string, token
+    ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"})."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     url = base_url.rstrip("/") + "/v1/completions"
@@ -71,8 +74,9 @@ async def run_benchmark(base_url: str, prompts: list, model: str = "default",
     async def one(session, prompt, delay):
         await asyncio.sleep(delay)
         async with sem:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, **(extra or {})}
+            fields = prompt if isinstance(prompt, dict) else {"prompt": prompt}
+            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, **(extra or {}), **fields}
             return await stream_one(session, url, body)
 
     delays, t = [], 0.0
@@ -94,5 +98,6 @@ async def run_benchmark(base_url: str, prompts: list, model: str = "default",
         "ttft_median_ms": round(1000 * statistics.median(ttfts), 1) if ttfts else None,
         "itl_median_ms": round(1000 * percentile(itls, 50), 1) if itls else None,
         "itl_p99_ms": round(1000 * percentile(itls, 99), 1) if itls else None,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
         "results": results,
     }

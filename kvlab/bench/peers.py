@@ -69,21 +69,31 @@ def compare_peers(num_requests: int = 16, input_lens=(64, 128), output_lens=(96,
                 kv / rows["transformers generate_batch"]["useful_tok_s"], 2)}
 
 
-def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5) -> dict:
-    """This machine's fp32 matmul rate (FLOP/s) and memory bandwidth (bytes/s), best of runs."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5,
+                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """This machine's matmul rate (FLOP/s, in the model's dtype) and memory bandwidth (bytes/s),
+    best of runs; on a GPU, its own rate and bandwidth (a bigger matmul keeps it busy)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        size = max(size, 8192)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     torch.mm(a, b)
-    t = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    src = torch.empty(copy_mib * 2**20 // 4)
+    t = min(_timed(lambda: torch.mm(a, b), device) for _ in range(repeats))
+    src = torch.empty(copy_mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    c = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    c = min(_timed(lambda: dst.copy_(src), device) for _ in range(repeats))
     return {"matmul_flops": 2 * size**3 / t, "bandwidth_bytes": 2 * src.numel() * 4 / c}
 
 
-def _timed(fn) -> float:
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the GPU's time, not the launch's
     return time.perf_counter() - t0
 
 
@@ -100,17 +110,21 @@ def decode_ceiling(batch: int, context: int, rates: dict, model: str | None = No
     flops = batch * (2 * params + attn_flops)
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
     bytes_moved = params * itemsize + batch * context * kv_bytes
-    step = max(flops / rates["matmul_flops"], bytes_moved / rates["bandwidth_bytes"])
+    compute_s = flops / rates["matmul_flops"]
+    memory_s = bytes_moved / rates["bandwidth_bytes"]
+    step = max(compute_s, memory_s)
     return {"batch": batch, "context": context, "step_ms": round(1000 * step, 2),
             "tok_s": round(batch / step, 1),
-            "bound": "compute" if flops / rates["matmul_flops"] > bytes_moved / rates[
-                "bandwidth_bytes"] else "memory"}
+            "bound": "compute" if compute_s > memory_s else "memory",
+            "compute_bound_tok_s": round(batch / compute_s, 1),
+            "memory_bound_tok_s": round(batch / memory_s, 1)}
 
 
 def ceiling_fraction(batch: int = 16, input_len: int = 96, output_len: int = 64,
                      model: str | None = None) -> dict:
     """kvlab's decode throughput at `batch` running requests as a fraction of the ceiling."""
-    rates = machine_rates()
+    loaded = load_model(model)
+    rates = machine_rates(device=loaded.device, dtype=loaded.dtype)
     llm = LLM(model, max_model_len=input_len + output_len + 16)
     tok = llm.get_tokenizer()
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)

@@ -1,0 +1,164 @@
+"""The GPU check: one script to run whenever a GPU is lent (a few minutes on one H200).
+
+    python benchmarks/gpu_check.py                  # everything, results in gpu-results/
+    python benchmarks/gpu_check.py --quick          # correctness and speed only (~1 minute)
+    python benchmarks/gpu_check.py --device cpu --quick   # the same script on a CPU (a dry run)
+
+What it checks, in order, each part saved to OUT/gpu_check.json as soon as it is done (so a run
+cut short still reports what it reached):
+1. the machine: torch and CUDA versions, the device;
+2. correctness: greedy tokens of the three backends (reference, auto, flex) against
+   transformers `generate`, in fp32 (must be identical) and in bf16 (reported: in bf16 a
+   near-tie can flip with summation order), on mixed prompts with chunked prefill, prefix hits
+   and preemption; the largest logit difference flex vs reference;
+3. speed: decode tokens/s at batch 1, 16 and 64 and prefill tokens/s, auto against flex;
+4. the peers: kvlab, transformers `generate` and `generate_batch` on 64 mixed requests, and
+   kvlab's fraction of the GPU's own matmul/bandwidth ceiling;
+5. every seed experiment of the notebooks (`python -m kvlab.bench seeds`), tables saved as
+   JSON and CSV next to the report.
+The exit status is 1 when an fp32 token check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvlab import LLM, SamplingParams
+from kvlab.attention import AttentionMetadata
+from kvlab.bench import peers, seeds
+from kvlab.bench.common import make_prompts, transformers_generate
+from kvlab.flex_attention import flex_block_mask
+from kvlab.model import Transformer, load_model
+
+BACKENDS = ("reference", "auto", "flex")
+
+
+def machine(device: str) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30))
+    return info
+
+
+def token_check(device: str, dtype: str) -> dict:
+    """Greedy tokens of every backend against transformers, and flex's logits against the
+    reference's on one 40-token prompt."""
+    loaded = load_model(None, device, dtype)
+    tok = loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    system = make_prompts(tok, 1, 96, 96)[0]
+    prompts = [system + p for p in make_prompts(tok, 8, 4, 160)]  # shared prefix, mixed tails
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    hf = [transformers_generate(loaded.hf_model, [p], 24, pad)[0] for p in prompts]
+    out = {"dtype": dtype, "prompts": len(prompts)}
+    for backend in BACKENDS:
+        # A budget of 64 tokens chunks every prompt; 640 KV tokens force preemption; the second
+        # pass hits the cached shared prefix.
+        llm = LLM(device=device, dtype=dtype, backend=backend, max_num_batched_tokens=64,
+                  kv_cache_tokens=640, max_model_len=320, enable_prefix_caching=True)
+        for _ in range(2):
+            got = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], sp)]
+        stats = llm.stats()
+        out[backend] = {"identical_to_transformers": sum(a == b for a, b in zip(got, hf)),
+                        "prefix_cache_hits": stats["prefix_cache_hits"],
+                        "num_preemptions": stats["num_preemptions"]}
+    out["flex_vs_reference_max_logit_diff"] = flex_logit_diff(loaded, prompts[0][:40])
+    return out
+
+
+def flex_logit_diff(loaded, prompt: list[int]) -> float:
+    dev = loaded.device
+    ref_model, flex_model = Transformer(loaded, fast=False), Transformer(loaded, fast=True)
+    logits = []
+    for model, flex in ((ref_model, False), (flex_model, True)):
+        kv = torch.zeros((model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim),
+                         dtype=loaded.dtype, device=dev)
+        table = torch.tensor([2, 0, 3], device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=(table[:, None] * 16 + torch.arange(16, device=dev)).flatten()[:40],
+            query_start_loc=[0, 40], seq_lens=[40], block_tables=[table])
+        if flex:
+            meta.flex_block_mask = flex_block_mask([[2, 0, 3]], [0, 40], [40], 4, 16, dev)
+        hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(40, device=dev),
+                               kv, meta)
+        logits.append(model.compute_logits(hidden))
+    return round((logits[0] - logits[1]).abs().max().item(), 5)
+
+
+def speed_check(device: str, batches=(1, 16, 64), new_tokens: int = 64) -> dict:
+    """Decode tokens/s (median step of a full batch) and prefill tokens/s, per backend."""
+    rows = {}
+    tok = load_model(None, device).tokenizer
+    for backend in ("auto", "flex"):
+        # A pool sized to the largest batch: FlexAttention's mask spans the whole pool.
+        llm = LLM(device=device, backend=backend, max_model_len=1024 + new_tokens + 16,
+                  kv_cache_tokens=max(batches) * (128 + new_tokens + 16) + 1024)
+        sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        llm.generate({"prompt_token_ids": make_prompts(tok, 1, 32, 32)[0]}, sp)  # warm-up
+        row = {}
+        for b in batches:
+            prompts = [{"prompt_token_ids": p} for p in make_prompts(tok, b, 128, 128)]
+            llm.generate(prompts, sp)  # warm-up at this shape (compiles on a GPU)
+            first = llm.llm_engine.num_steps
+            llm.generate(prompts, sp)
+            steps = sorted(r.step_time for r in llm.llm_engine.step_trace
+                           if r.step > first and r.num_prefill_tokens == 0
+                           and len(r.request_ids) == b)
+            row[f"decode_tok_s_batch{b}"] = round(b / steps[len(steps) // 2], 1)
+        long = {"prompt_token_ids": make_prompts(tok, 1, 1024, 1024)[0]}
+        one = SamplingParams(max_tokens=1)
+        llm.generate(long, one)
+        t0 = time.perf_counter()
+        llm.generate(long, one)
+        row["prefill_tok_s_1024"] = round(1024 / (time.perf_counter() - t0), 1)
+        rows[backend] = row
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="gpu-results")
+    parser.add_argument("--quick", action="store_true", help="parts 1-3 only")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {}
+    failed = False
+
+    def done(part: str, value) -> None:
+        report[part] = value
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        print(f"== {part}\n{json.dumps(value, indent=2)}", flush=True)
+
+    t0 = time.perf_counter()
+    done("machine", machine(args.device))
+    for dtype in ("float32", "bfloat16") if args.device == "cuda" else ("float32",):
+        check = token_check(args.device, dtype)
+        done(f"tokens_{dtype}", check)
+        if dtype == "float32":
+            failed |= any(check[b]["identical_to_transformers"] != check["prompts"]
+                          for b in BACKENDS)
+    done("speed", speed_check(args.device, (1, 16) if args.quick else (1, 16, 64)))
+    if not args.quick:
+        done("peers", peers.compare_peers(num_requests=64, repeats=3))
+        done("ceiling", peers.ceiling_fraction(batch=64))
+        results = seeds.run_seeds(list(seeds.EXPERIMENTS), repeats=3, out_dir=out_dir,
+                                  progress=False)
+        done("seeds", {name: len(rows) for name, rows in results.items()})
+    done("wall_s", round(time.perf_counter() - t0, 1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
