@@ -41,16 +41,14 @@ def flex_block_mask(block_tables: list[list[int]], query_start_loc: list[int],
     # Each block sits at one logical index, whichever tables hold it: a block shared through the
     # prefix cache or a fork holds the same positions in every sequence that shares it. So one
     # (num_blocks,) map and the padded tables answer "is slot s in sequence i, and where".
-    tables = torch.full((num_seqs, max(len(t) for t in block_tables)), -1, dtype=torch.long)
+    ids = [torch.tensor(table, dtype=torch.long) for table in block_tables]
+    tables = torch.full((num_seqs, max(len(t) for t in ids)), -1, dtype=torch.long)
     block_logical = torch.full((num_blocks,), -1, dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        ids = torch.tensor(table, dtype=torch.long)
-        tables[i, : len(table)] = ids
-        block_logical[ids] = torch.arange(len(table))
-    for table in block_tables:  # the invariant the map rests on
-        if not torch.equal(block_logical[torch.tensor(table, dtype=torch.long)],
-                           torch.arange(len(table))):
-            raise RuntimeError("a KV block sits at two logical positions; the flex mask needs one")
+    for i, t in enumerate(ids):
+        tables[i, : len(t)] = t
+        block_logical[t] = torch.arange(len(t))
+    if any(not torch.equal(block_logical[t], torch.arange(len(t))) for t in ids):
+        raise RuntimeError("a KV block sits at two logical positions; the flex mask needs one")
 
     kv_num_blocks, kv_indices = _sparse_tiles(block_tables, query_start_loc, block_size,
                                               num_slots)

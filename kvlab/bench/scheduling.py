@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from kvlab.bench.common import make_prompts, mixed_workload, transformers_generate
 from kvlab.engine import LLM
@@ -99,30 +100,34 @@ def measure_bursts(llm: LLM, concurrency: int, input_len: int, output_len: int,
 def continuous_batching_table(
     servers: dict[str, tuple[dict, tuple[int, ...]]] | None = None,
     input_len: int = 64, output_len: int = 32, repeats: int = 3, model: str | None = None,
+    progress: bool = False,
 ) -> list[dict]:
     """The seed table: one-at-a-time (`max_num_seqs=1`) against the default scheduler, bursts
     of `concurrency` requests of input_len + output_len tokens (EOS ignored)."""
     if servers is None:
         servers = {"max_num_seqs=1": ({"max_num_seqs": 1}, (1, 16)),
                    "default": ({}, (1, 4, 16))}
-    rows = []
-    for name, (kwargs, concurrencies) in servers.items():
-        llm = LLM(model, max_model_len=input_len + output_len + 16, **kwargs)
-        for c in concurrencies:
-            rows.append({"server": name, "concurrency": c,
-                         **measure_bursts(llm, c, input_len, output_len, repeats)})
+    points = [(name, c) for name, (_, concurrencies) in servers.items() for c in concurrencies]
+    rows, engines = [], {}
+    for name, c in tqdm(points, desc="continuous batching", disable=not progress):
+        if name not in engines:
+            engines[name] = LLM(model, max_model_len=input_len + output_len + 16,
+                                **servers[name][0])
+        rows.append({"server": name, "concurrency": c,
+                     **measure_bursts(engines[name], c, input_len, output_len, repeats)})
     return rows
 
 
 def kv_capacity_sweep(concurrencies=(1, 4, 8, 16, 32), kv_cache_tokens: int = 1536,
                       input_len: int = 64, output_len: int = 32, repeats: int = 1,
-                      block_size: int = 16, model: str | None = None) -> dict:
+                      block_size: int = 16, model: str | None = None,
+                      progress: bool = False) -> dict:
     """Concurrency past what the KV budget holds: throughput flattens, TTFT climbs, requests are
     preempted. Returns the rows and the predicted knee, KV tokens / tokens per request."""
     llm = LLM(model, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
               max_model_len=input_len + output_len + block_size)
     rows = [{"concurrency": c, **measure_bursts(llm, c, input_len, output_len, repeats)}
-            for c in concurrencies]
+            for c in tqdm(concurrencies, desc="KV capacity", disable=not progress)]
     per_request = -(-(input_len + output_len) // block_size) * block_size
     return {"rows": rows, "kv_tokens": llm.stats()["kv_capacity_tokens"],
             "predicted_knee": llm.stats()["kv_capacity_tokens"] // per_request}
@@ -272,15 +277,20 @@ def stall_engine(budget: int | None, long_len: int = 1024, model: str | None = N
     return LLM(model, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
+def chunked_prefill_trials(budget: int | None, long_len: int = 1024, repeats: int = 1,
+                           model: str | None = None) -> list[StallRun]:
+    """`repeats` stall runs at one budget on one engine, after a warm-up run (excluded)."""
+    llm = stall_engine(budget, long_len, model)
+    chunked_prefill_stall(budget, long_len, llm=llm)  # warm-up
+    return [chunked_prefill_stall(budget, long_len, llm=llm) for _ in range(repeats)]
+
+
 def chunked_prefill_table(budgets=(64, 128, 256, 512, None), long_len: int = 1024,
                           repeats: int = 1, model: str | None = None) -> list[StallRun]:
-    """The stall table: for each budget, the worst decode gap and the inserted prompt's TTFT
-    (median over repeats, after one warm-up run per engine)."""
+    """The stall table: for each budget, the run with the median worst decode gap."""
     runs = []
     for budget in budgets:
-        llm = stall_engine(budget, long_len, model)
-        chunked_prefill_stall(budget, long_len, llm=llm)  # warm-up
-        trials = [chunked_prefill_stall(budget, long_len, llm=llm) for _ in range(repeats)]
+        trials = chunked_prefill_trials(budget, long_len, repeats, model)
         runs.append(sorted(trials, key=lambda r: r.max_gap)[len(trials) // 2])
     return runs
 

@@ -31,14 +31,8 @@ def continuous_batching(repeats: int = 3, model: str | None = None,
                         progress: bool = True) -> list[dict]:
     """Chapter 03's seed table: one request at a time (`max_num_seqs=1`) against the default
     scheduler, bursts of `concurrency` requests of 64 + 16 tokens (EOS ignored)."""
-    points = [("max_num_seqs=1", {"max_num_seqs": 1}, c) for c in (1, 4, 16)]
-    points += [("default", {}, c) for c in (1, 4, 16)]
-    rows, engines = [], {}
-    for name, kwargs, c in tqdm(points, desc="continuous batching", disable=not progress):
-        if name not in engines:
-            engines[name] = LLM(model, max_model_len=64 + 16 + 16, **kwargs)
-        rows.append({"server": name, "concurrency": c,
-                     **scheduling.measure_bursts(engines[name], c, 64, 16, repeats)})
+    servers = {"max_num_seqs=1": ({"max_num_seqs": 1}, (1, 4, 16)), "default": ({}, (1, 4, 16))}
+    rows = scheduling.continuous_batching_table(servers, 64, 16, repeats, model, progress)
     base = {r["server"]: r["tok_s"] for r in rows if r["concurrency"] == 1}
     for r in rows:
         r["speedup_vs_c1"] = round(r["tok_s"] / base[r["server"]], 2)
@@ -49,16 +43,11 @@ def kv_capacity(repeats: int = 1, model: str | None = None, progress: bool = Tru
     """Chapter 03: concurrency past what a 1,024-token KV budget holds, requests of 48 + 16
     tokens. The knee is predicted as the budget over the tokens one request needs (whole
     blocks); past it requests wait, and running ones are preempted."""
-    input_len, output_len, block_size = 48, 16, 16
-    llm = LLM(model, block_size=block_size, kv_cache_tokens=1024,
-              max_model_len=input_len + output_len + block_size)
-    per_request = -(-(input_len + output_len) // block_size) * block_size
-    knee = llm.stats()["kv_capacity_tokens"] // per_request
-    rows = []
-    for c in tqdm((1, 4, 8, 16, 32), desc="KV capacity", disable=not progress):
-        rows.append({"concurrency": c, "predicted_knee": knee,
-                     **scheduling.measure_bursts(llm, c, input_len, output_len, repeats)})
-    return rows
+    sweep = scheduling.kv_capacity_sweep((1, 4, 8, 16, 32), kv_cache_tokens=1024, input_len=48,
+                                         output_len=16, repeats=repeats, model=model,
+                                         progress=progress)
+    return [{"concurrency": r["concurrency"], "predicted_knee": sweep["predicted_knee"],
+             **{k: v for k, v in r.items() if k != "concurrency"}} for r in sweep["rows"]]
 
 
 def chunked_prefill(repeats: int = 3, model: str | None = None,
@@ -67,9 +56,7 @@ def chunked_prefill(repeats: int = 3, model: str | None = None,
     inter-token gap and the long prompt's TTFT for each token budget, and with chunking off."""
     rows = []
     for budget in tqdm((64, 128, 256, 512, None), desc="chunked prefill", disable=not progress):
-        llm = scheduling.stall_engine(budget, 1024, model)
-        scheduling.chunked_prefill_stall(budget, 1024, llm=llm)  # warm-up
-        runs = [scheduling.chunked_prefill_stall(budget, 1024, llm=llm) for _ in range(repeats)]
+        runs = scheduling.chunked_prefill_trials(budget, 1024, repeats, model)
         gaps = [1000 * r.max_gap for r in runs]
         rows.append({"max_num_batched_tokens": budget if budget else "off (no chunking)",
                      "chunks": runs[0].chunks,
