@@ -8,9 +8,9 @@ position it holds there is at or before j's own.
 
 FlexAttention wants the mask in two forms: `mask_mod`, a function of (query, slot) evaluated
 inside the kernel, and a sparse list of which (128-query tile, 128-slot tile) pairs hold any
-visible slot at all, so the kernel skips the rest of the pool. Both are built here once per step,
-from the block tables, in time proportional to the tables (never to the size of the pool), and
-shared by every layer. On a GPU the kernel is compiled; on a CPU it runs eagerly, evaluating the
+visible slot at all, so the kernel skips the rest of the pool. Both are built here once per step
+from the block tables (the mask is never evaluated over the pool to build them) and shared by
+every layer. On a GPU the kernel is compiled; on a CPU it runs eagerly, evaluating the
 mask on every (query, slot) pair: slow, and only meant as the check that the tests run.
 """
 
@@ -50,8 +50,7 @@ def flex_block_mask(block_tables: list[list[int]], query_start_loc: list[int],
     if any(not torch.equal(block_logical[t], torch.arange(len(t))) for t in ids):
         raise RuntimeError("a KV block sits at two logical positions; the flex mask needs one")
 
-    kv_num_blocks, kv_indices = _sparse_tiles(block_tables, query_start_loc, block_size,
-                                              num_slots)
+    kv_num_blocks, kv_indices = _sparse_tiles(ids, query_start_loc, block_size, num_slots)
     q_seq, q_pos, tables, block_logical = (t.to(device) for t in (q_seq, q_pos, tables,
                                                                   block_logical))
 
@@ -67,7 +66,7 @@ def flex_block_mask(block_tables: list[list[int]], query_start_loc: list[int],
                                     seq_lengths=(total, num_slots))
 
 
-def _sparse_tiles(block_tables: list[list[int]], query_start_loc: list[int], block_size: int,
+def _sparse_tiles(block_tables: list[torch.Tensor], query_start_loc: list[int], block_size: int,
                   num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each 128-query tile, the 128-slot tiles that hold a block of any of its sequences:
     kv_num_blocks (1, 1, q_tiles) and kv_indices (1, 1, q_tiles, slot_tiles), as FlexAttention
@@ -76,7 +75,7 @@ def _sparse_tiles(block_tables: list[list[int]], query_start_loc: list[int], blo
     q_tiles, kv_tiles = -(-total // TILE), -(-num_slots // TILE)
     seq_tiles = []
     for table in block_tables:
-        first = torch.tensor(table, dtype=torch.long) * block_size
+        first = table * block_size
         lo, hi = first // TILE, (first + block_size - 1) // TILE  # a block may span tiles
         span = torch.arange(block_size // TILE + 2)
         tiles = lo[:, None] + span[None, :]
@@ -94,11 +93,11 @@ def _sparse_tiles(block_tables: list[list[int]], query_start_loc: list[int], blo
 
 
 @functools.cache
-def _flex_kernel():
-    """Compiled on a GPU (its fused kernel); eager elsewhere (a correctness check only)."""
+def _flex_kernel(device_type: str):
+    """Compiled for a GPU (its fused kernel); eager on a CPU (a correctness check only)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         return torch.compile(flex_attention, dynamic=True)
     return flex_attention
 
@@ -111,6 +110,6 @@ def paged_attention_flex(
     # The pool as one long sequence of slots: (1, Hkv, num_blocks * block_size, D), a view.
     k = kv_layer[0].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_layer[1].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-    o = _flex_kernel()(q.transpose(0, 1)[None], k, v, block_mask=meta.flex_block_mask,
+    o = _flex_kernel(q.device.type)(q.transpose(0, 1)[None], k, v, block_mask=meta.flex_block_mask,
                        scale=scale, enable_gqa=True)  # (1, Hq, T, D)
     return o[0].transpose(0, 1)

@@ -183,7 +183,8 @@ def build_app(llm: LLM, model_name: str | None = None,
                 for o in out.outputs
             ]
             return web.json_response({"id": out.request_id, "object": kind, "created": created,
-                                      "model": name, "choices": choices, "usage": usage(out, enable_prompt_tokens_details)})
+                                      "model": name, "choices": choices,
+                                      "usage": usage(out, enable_prompt_tokens_details)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -281,9 +282,9 @@ class BackgroundServer:
                 self.loop.run_until_complete(site.start())
             except BaseException as e:  # e.g. the port is taken: reported by the caller
                 failed.append(e)
-                started.set()
                 return
-            started.set()
+            finally:
+                started.set()
             self.loop.run_forever()
 
         self.thread = threading.Thread(target=run, name="kvlab-server", daemon=True)
