@@ -14,7 +14,7 @@ cut short still reports what it reached):
 3. speed: decode tokens/s at batch 1, 16 and 64 and prefill tokens/s, auto against flex;
 4. the peers: kvlab, transformers `generate` and `generate_batch` on 64 mixed requests, and
    kvlab's fraction of the GPU's own matmul/bandwidth ceiling;
-5. every seed experiment of the notebooks (`python -m kvlab.bench seeds`), tables saved as
+5. every published experiment the notebooks reproduce (`python -m kvlab.bench reproduce`), tables saved as
    JSON and CSV next to the report.
 The exit status is 1 when an fp32 token check fails.
 """
@@ -26,15 +26,16 @@ import json
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.attention import AttentionMetadata
-from kvlab.bench import peers, seeds
+from kvlab.attention import get_attention_backend
+from kvlab.attention_metadata import CommonAttentionMetadata
+from kvlab.bench import peers, reproduce
 from kvlab.bench.common import make_prompts, transformers_generate
-from kvlab.flex_attention import flex_block_mask
 from kvlab.model import Transformer, load_model
 
 BACKENDS = ("reference", "auto", "flex")
@@ -71,23 +72,21 @@ def token_check(device: str, dtype: str) -> dict:
         out[backend] = {"identical_to_transformers": sum(a == b for a, b in zip(got, hf)),
                         "prefix_cache_hits": stats["prefix_cache_hits"],
                         "num_preemptions": stats["num_preemptions"]}
-    out["flex_vs_reference_max_logit_diff"] = flex_logit_diff(loaded, prompts[0][:40])
     return out
 
 
 def flex_logit_diff(loaded, prompt: list[int]) -> float:
     dev = loaded.device
-    ref_model, flex_model = Transformer(loaded, fast=False), Transformer(loaded, fast=True)
     logits = []
-    for model, flex in ((ref_model, False), (flex_model, True)):
+    for fast, backend in ((False, "reference"), (True, "flex")):
+        model = Transformer(loaded, fast=fast, attn_backend=get_attention_backend(backend))
         kv = torch.zeros((model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim),
                          dtype=loaded.dtype, device=dev)
         table = torch.tensor([2, 0, 3], device=dev)
-        meta = AttentionMetadata(
+        meta = model.attn_backend.build(CommonAttentionMetadata(
             slot_mapping=(table[:, None] * 16 + torch.arange(16, device=dev)).flatten()[:40],
-            query_start_loc=[0, 40], seq_lens=[40], block_tables=[table])
-        if flex:
-            meta.flex_block_mask = flex_block_mask([[2, 0, 3]], [0, 40], [40], 4, 16, dev)
+            query_start_loc=[0, 40], seq_lens=[40], block_table_ids=[[2, 0, 3]],
+            block_size=16, num_blocks=4, device=dev))
         hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(40, device=dev),
                                kv, meta)
         logits.append(model.compute_logits(hidden))
@@ -134,30 +133,51 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {}
-    failed = False
 
     def done(part: str, value) -> None:
         report[part] = value
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
         print(f"== {part}\n{json.dumps(value, indent=2)}", flush=True)
 
+    parts = run_parts(args.device, args.quick, out_dir, done)
+    failed = any(
+        isinstance(parts.get("tokens_float32"), dict)
+        and "error" not in parts["tokens_float32"]
+        and parts["tokens_float32"][b]["identical_to_transformers"]
+        != parts["tokens_float32"]["prompts"]
+        for b in BACKENDS)
+    return 1 if failed or any(isinstance(v, dict) and "error" in v for v in parts.values()) else 0
+
+
+def run_parts(device: str, quick: bool, out_dir: Path, done) -> dict:
+    """Run every part on its own: a part that raises records its error in the report and the
+    next part still runs (a GPU lease is short; one broken part must not cost the rest)."""
+    parts: list[tuple[str, object]] = [("machine", lambda: machine(device))]
+    for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
+        parts.append((f"tokens_{dtype}", lambda dtype=dtype: token_check(device, dtype)))
+    parts.append(("flex_vs_reference_max_logit_diff",
+                  lambda: flex_logit_diff(load_model(None, device, "float32"),
+                                          make_prompts(load_model(None, device).tokenizer,
+                                                       1, 40, 40)[0])))
+    parts.append(("speed", lambda: speed_check(device, (1, 16) if quick else (1, 16, 64))))
+    if not quick:
+        parts.append(("peers", lambda: peers.compare_peers(num_requests=64, repeats=3)))
+        parts.append(("ceiling", lambda: peers.ceiling_fraction(batch=64)))
+        parts.append(("reproduce", lambda: {
+            name: len(rows) for name, rows in reproduce.run_experiments(
+                list(reproduce.EXPERIMENTS), repeats=3, out_dir=out_dir, progress=False).items()}))
+    results = {}
     t0 = time.perf_counter()
-    done("machine", machine(args.device))
-    for dtype in ("float32", "bfloat16") if args.device == "cuda" else ("float32",):
-        check = token_check(args.device, dtype)
-        done(f"tokens_{dtype}", check)
-        if dtype == "float32":
-            failed |= any(check[b]["identical_to_transformers"] != check["prompts"]
-                          for b in BACKENDS)
-    done("speed", speed_check(args.device, (1, 16) if args.quick else (1, 16, 64)))
-    if not args.quick:
-        done("peers", peers.compare_peers(num_requests=64, repeats=3))
-        done("ceiling", peers.ceiling_fraction(batch=64))
-        results = seeds.run_seeds(list(seeds.EXPERIMENTS), repeats=3, out_dir=out_dir,
-                                  progress=False)
-        done("seeds", {name: len(rows) for name, rows in results.items()})
+    for name, part in parts:
+        try:
+            value = part()
+        except Exception as e:  # noqa: BLE001 (recorded, not hidden: the exit status is 1)
+            value = {"error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc(limit=8)}
+        results[name] = value
+        done(name, value)
     done("wall_s", round(time.perf_counter() - t0, 1))
-    return 1 if failed else 0
+    return results
 
 
 if __name__ == "__main__":

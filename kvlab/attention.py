@@ -6,8 +6,10 @@ time, gather its blocks, attend. `paged_attention_decode` is the same arithmetic
 single-token decodes in one call (block tables padded, padding masked out); it is what makes
 batch-16 decoding cheap, and tests prove it gives the same tokens.
 
-`backend="flex"` sends every step through `flex_attention.paged_attention_flex` instead (the GPU
-path): PyTorch's FlexAttention reads the pool in place, the block tables turned into a mask.
+Each backend owns a metadata builder and a forward, and the engine picks one at start, as vLLM
+picks an attention backend (`vllm/v1/attention/backends/`): "reference" (the version to read),
+"auto" (SDPA, batched decode) and "flex" (`flex_attention.py`: PyTorch's FlexAttention reads the
+pool in place, the block tables turned into a mask; the GPU path).
 """
 
 from __future__ import annotations
@@ -17,22 +19,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvlab.flex_attention import paged_attention_flex
+from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata
 
 
 @dataclass
-class AttentionMetadata:
-    """Where each sequence's tokens sit in the flat batch and in the KV pool (vLLM's names)."""
+class SDPAMetadata(AttentionMetadata):
+    """What the reference and SDPA backends read (vLLM's names)."""
 
-    slot_mapping: torch.Tensor  # (T,) pool slot of each new token: block_id * block_size + offset
     query_start_loc: list[int]  # (B + 1,) sequence i's new tokens are [start[i], start[i + 1])
     seq_lens: list[int]  # (B,) tokens in each sequence's context after this step
     block_tables: list[torch.Tensor]  # B tensors of block ids, logical block -> physical block
-    # Fast path, only set when every sequence has exactly one new token (a pure decode step):
+    # SDPA backend, only set when every sequence has exactly one new token (a pure decode step):
     decode_block_table: torch.Tensor | None = None  # (B, max_blocks), padded with block 0
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size), True = attend
-    use_reference: bool = False  # force the one-sequence-at-a-time path
-    flex_block_mask: object | None = None  # FlexAttention's BlockMask, when backend="flex"
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
@@ -59,7 +58,7 @@ def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int):
 
 
 def paged_attention_reference(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: SDPAMetadata, scale: float
 ) -> torch.Tensor:
     """q: (T, Hq, D) -> (T, Hq, D), one sequence at a time."""
     out = torch.empty_like(q)
@@ -89,7 +88,7 @@ def paged_attention_reference(
 
 
 def paged_attention_decode(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: SDPAMetadata, scale: float
 ) -> torch.Tensor:
     """Every sequence decodes one token: q (B, Hq, D) -> (B, Hq, D) in one kernel call."""
     B, num_heads, head_dim = q.shape
@@ -103,11 +102,64 @@ def paged_attention_decode(
     return o[:, :, 0, :]
 
 
-def paged_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    if meta.flex_block_mask is not None:
-        return paged_attention_flex(q, kv_layer, meta, scale)
-    if meta.decode_block_table is not None and not meta.use_reference:
-        return paged_attention_decode(q, kv_layer, meta, scale)
-    return paged_attention_reference(q, kv_layer, meta, scale)
+class ReferenceBackend:
+    """One sequence at a time: the version to read (`backend="reference"`)."""
+
+    name = "reference"
+
+    def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
+        # Every table in one host-to-device copy, then split into views (one per sequence).
+        tables = common.block_table_ids
+        flat = torch.tensor([b for t in tables for b in t], dtype=torch.long, device="cpu")
+        flat = flat.to(common.device)
+        return SDPAMetadata(
+            slot_mapping=common.slot_mapping,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_tables=list(flat.split([len(t) for t in tables])),
+        )
+
+    def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, kv_layer, meta, scale)
+
+
+class SDPABackend(ReferenceBackend):
+    """The default (`backend="auto"`): a pure decode step attends for every sequence in one
+    SDPA call over padded block tables; any step with a prefill goes one sequence at a time."""
+
+    name = "auto"
+
+    def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
+        meta = super().build(common)
+        if common.num_seqs > 1 and common.is_pure_decode:
+            # Pad the block tables to one rectangle (with block 0, which is masked out) so all
+            # sequences attend in one call. Built on the host, moved once.
+            bs, tables = common.block_size, common.block_table_ids
+            max_blocks = max(len(b) for b in tables)
+            table = torch.zeros((common.num_seqs, max_blocks), dtype=torch.long, device="cpu")
+            for i, b in enumerate(tables):
+                table[i, : len(b)] = torch.tensor(b, dtype=torch.long, device="cpu")
+            key_pos = torch.arange(max_blocks * bs, device="cpu")
+            lens = torch.tensor(common.seq_lens, device="cpu")
+            mask = key_pos[None, :] < lens[:, None]  # (B, L)
+            meta.decode_block_table = table.to(common.device)
+            meta.decode_mask = mask[:, None, None, :].to(common.device)  # (B, 1, 1, L)
+        return meta
+
+    def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
+        if meta.decode_block_table is not None:
+            return paged_attention_decode(q, kv_layer, meta, scale)
+        return paged_attention_reference(q, kv_layer, meta, scale)
+
+
+def get_attention_backend(name: str):
+    """The backend for EngineConfig.backend, chosen once when the engine starts."""
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "auto":
+        return SDPABackend()
+    if name == "flex":
+        from kvlab.flex_attention import FlexBackend  # imports FlexAttention only when asked
+
+        return FlexBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -3,7 +3,16 @@
 Defined in notebook 02. Each step every live beam proposes its best continuations; the best
 `beam_width` survive. A survivor forks its parent's block table (ref counts +1, nothing copied);
 a beam nobody continues frees its blocks at once; the shared last block is copied only when a
-beam writes into it (copy-on-write, in `KVCacheManager.allocate_slots`).
+beam writes into it (copy-on-write, in `KVCacheManager.allocate_slots`). That is the
+PagedAttention paper's design (and vLLM v0's); vLLM v1 builds beam search on top of ordinary
+generation instead (`vllm/entrypoints/llm.py`, `LLM.beam_search`), sharing through the prefix
+cache.
+
+Beams are requests like any other: the scheduler gives them seats (a search holds
+`beam_width`), token budget and blocks, and may preempt them. A beam asks for its top logprobs
+instead of a sampled token; `BeamSearchGroup` collects them and, once every live beam of the
+search has reported, chooses the survivors; the scheduler applies the choice (drop, fork,
+extend). `LLM.beam_search` only adds the search and steps the engine, as `generate` does.
 
 Selection and stopping follow transformers' `generate(num_beams=...)` step for step (top
 2 x beam_width candidates, finished hypotheses scored by cum_logprob / generated_len **
@@ -15,14 +24,14 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.config import check_bool, check_int
+from kvlab.detokenizer import detokenize
 from kvlab.metrics import RequestMetrics
-from kvlab.request import Request, RequestStatus
+from kvlab.request import Request, RequestGroup
 from kvlab.sampling import SamplingParams
 
 
@@ -56,159 +65,148 @@ class BeamSearchOutput:
 
 
 @dataclass
-class _PromptState:
-    prompt_ids: list[int]
-    max_length: int  # prompt + max_tokens, capped at max_model_len
-    beams: list[Request]  # live beams, best first
-    scores: list[float]  # their cum_logprobs
-    finished: list[tuple[float, list[int], float, str]] = field(default_factory=list)
-    improvable: bool = True  # transformers' early-stop heuristic
-    done: bool = False
+class BeamStep:
+    """One selection, for the scheduler to apply."""
+
+    drop: list[Request] = field(default_factory=list)  # beams nobody continues: free them
+    forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, new beam)
+    extend: list[tuple[Request, int]] = field(default_factory=list)  # (beam, its next token)
 
 
-def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt, all prompts' beams batched into each forward pass."""
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    cfg = engine.config
-    kv = engine.kv_cache_manager
-    parsed = [engine.validate_request("beam-search", p, SamplingParams()) for p in prompts]
-    for p in parsed:
-        # Fewest blocks beam search can live with: the shared prompt plus one block per beam.
-        need = kv.num_blocks_for(len(p.token_ids)) + params.beam_width
-        if need > kv.num_blocks:
-            raise ValueError(
-                f"beam_width={params.beam_width} with a {len(p.token_ids)}-token prompt needs at "
-                f"least {need} KV blocks; the pool has {kv.num_blocks}: lower beam_width or "
-                "raise kv_cache_tokens"
-            )
-    engine.num_requests_added += 1
-    ids = (f"__beam{engine.num_requests_added}-{k}" for k in itertools.count())
-    greedy = SamplingParams(max_tokens=params.max_tokens, temperature=0)
-    created: list[str] = []  # every beam id, so that an error anywhere still frees every block
+class BeamSearchGroup:
+    """The beams of one prompt and the choice between them (transformers' rules)."""
 
-    def new_beam(tokens: list[int], prompt_len: int) -> Request:
-        beam = Request(next(ids), None, tokens[:prompt_len], greedy, engine.eos_token_ids,
-                       RequestMetrics(arrival_time=0.0))
-        created.append(beam.request_id)
-        beam.output_token_ids = tokens[prompt_len:]
-        beam.status = RequestStatus.RUNNING
+    def __init__(self, group_id: str, prompt_ids: list[int], params: BeamSearchParams,
+                 eos_token_ids: frozenset[int], max_model_len: int, now: float) -> None:
+        self.group_id = group_id
+        self.params = params
+        self.prompt_ids = list(prompt_ids)
+        self.eos = sorted(eos_token_ids)
+        self.eos_token_ids = eos_token_ids
+        self.max_length = min(len(prompt_ids) + params.max_tokens, max_model_len)
+        self.seats = RequestGroup(group_id, params.beam_width)
+        # Enough top logprobs per beam that the global top 2 x width (more with several EOS
+        # ids) is among them, even after EOS is masked out.
+        width = params.beam_width
+        self.num_candidates = max(2, 1 + len(self.eos)) * width
+        self.beam_params = SamplingParams(max_tokens=params.max_tokens, temperature=0,
+                                          ignore_eos=True,
+                                          logprobs=self.num_candidates + len(self.eos),
+                                          detokenize=False)
+        self.now = now
+        self.ids = (f"{group_id}-beam{k}" for k in itertools.count())
+        first = self._new_beam([])
+        self.beams: list[Request] = [first]  # live beams, best first
+        self.scores: list[float] = [0.0]  # their cum_logprobs
+        self.reported: dict[str, dict[int, float]] = {}
+        self.finished: list[tuple[float, list[int], float, str]] = []
+        self.improvable = True  # transformers' early-stop heuristic
+        self.done = False
+        self.error: str | None = None
+
+    def _new_beam(self, output_ids: list[int]) -> Request:
+        beam = Request(next(self.ids), None, list(self.prompt_ids), self.beam_params,
+                       self.eos_token_ids, RequestMetrics(arrival_time=self.now),
+                       parent_id=self.group_id, group=self.seats, beam_group=self)
+        beam.output_token_ids = output_ids
         return beam
 
-    states = [
-        _PromptState(p.token_ids, min(len(p.token_ids) + params.max_tokens, cfg.max_model_len),
-                     [new_beam(list(p.token_ids), len(p.token_ids))], [0.0])
-        for p in parsed
-    ]
-    live = lambda: [b for s in states if not s.done for b in s.beams]  # noqa: E731
-    try:
-        while not all(s.done for s in states):
-            start, cow_before = time.perf_counter(), kv.num_cow_copies
-            scheduled = [(b, b.num_tokens - b.num_computed_tokens) for b in live()]
-            num_decode = sum(1 for b, n in scheduled if b.output_token_ids)
-            for beam, _ in scheduled:
-                if not kv.allocate_slots(beam.request_id, beam.num_tokens, beam.num_computed_tokens):
-                    raise RuntimeError(
-                        "beam search ran out of KV blocks: lower beam_width or max_tokens, or "
-                        "raise kv_cache_tokens (every block has been returned)"
-                    )
-            done, logits = engine.model_runner.execute_model(scheduled)
-            for beam, n in scheduled:
-                beam.num_computed_tokens += n
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # (live beams, V)
-            row = 0
-            for s in states:
-                if s.done:
+    def live_beams(self) -> list[Request]:
+        return list(self.beams)
+
+    def add_logprobs(self, beam: Request, logprobs: dict[int, float]) -> None:
+        # A preempted beam that computes again reports the same numbers: overwrite.
+        self.reported[beam.request_id] = logprobs
+
+    def ready(self) -> bool:
+        return not self.done and all(b.request_id in self.reported for b in self.beams)
+
+    def advance(self) -> BeamStep:
+        """Choose the survivors among every live beam's candidates."""
+        params, width, step = self.params, self.params.beam_width, BeamStep()
+        prompt_len = len(self.prompt_ids)
+        cur_len = self.beams[0].num_tokens  # every live beam has the same length
+        # Candidates (cum_logprob + logprob, beam, token), summed in float32 as transformers does.
+        owners, tokens, lps = [], [], []
+        for b, beam in enumerate(self.beams):
+            for t, lp in self.reported[beam.request_id].items():
+                if params.ignore_eos and t in self.eos_token_ids:
                     continue
-                rows = logprobs[row : row + len(s.beams)]
-                row += len(s.beams)
-                _advance(s, rows, params, engine, kv, new_beam)
-            engine.record_step(scheduled, num_decode, start, cow_before, running=live(),
-                               num_waiting=0)
-    finally:
-        for rid in created:  # freeing is idempotent: beams already freed are skipped
-            kv.free(rid)
+                owners.append(b)
+                tokens.append(t)
+                lps.append(lp)
+        self.reported = {}
+        cpu = torch.device("cpu")
+        acc = (torch.tensor(lps, dtype=torch.float32, device=cpu)
+               + torch.tensor(self.scores, dtype=torch.float32, device=cpu)[owners])
+        k = min(self.num_candidates, acc.numel())
+        acc = acc.tolist()  # float32 sums, exactly
+        # Best first; equal scores in (beam, token) order, as a flat top-k over beams x vocab.
+        order = sorted(range(len(lps)), key=lambda j: (-acc[j], owners[j], tokens[j]))[:k]
+        cands = [(acc[j], owners[j], tokens[j]) for j in order]
+        at_limit = cur_len + 1 >= self.max_length
+        hits = [at_limit or (not params.ignore_eos and t in self.eos_token_ids)
+                for _, _, t in cands]
 
-    tok = engine.tokenizer
-    return [
-        BeamSearchOutput([
-            BeamSearchSequence(list(s.prompt_ids) + gen, tok.decode(gen, skip_special_tokens=True),
-                               cum, score, reason)
-            for score, gen, cum, reason in s.finished
-        ])
-        for s in states
-    ]
+        # Finished hypotheses: only candidates ranked in the top `width` may finish.
+        if self.improvable:
+            gen_len = cur_len + 1 - prompt_len
+            for rank, ((sc, b, t), hit) in enumerate(zip(cands, hits)):
+                if hit and rank < width:
+                    reason = ("length" if t not in self.eos_token_ids or params.ignore_eos
+                              else "stop")
+                    seq = self.beams[b].output_token_ids + [t]
+                    self.finished.append((sc / gen_len**params.length_penalty, seq, sc, reason))
+            self.finished.sort(key=lambda f: f[0], reverse=True)
+            del self.finished[width:]
 
+        survivors = [c for c, hit in zip(cands, hits) if not hit][:width]
+        if at_limit or not survivors:
+            return self._finish(step)
 
-def _advance(s: _PromptState, logprobs: torch.Tensor, params: BeamSearchParams, engine, kv,
-             new_beam) -> None:
-    """One beam-search step for one prompt: pick survivors, fork or free their KV."""
-    width = params.beam_width
-    eos = sorted(engine.eos_token_ids)
-    prompt_len = len(s.prompt_ids)
-    cur_len = s.beams[0].num_tokens  # every live beam has the same length
-    if params.ignore_eos and eos:
-        logprobs[:, eos] = float("-inf")
-    vocab = logprobs.shape[-1]
-    acc = (logprobs + torch.tensor(s.scores)[:, None]).flatten()  # (beams * V,)
-    # Twice the width (more with several EOS ids): enough survivors even if some just ended.
-    k = min(max(2, 1 + len(eos)) * width, acc.numel())
-    top_scores, top_idx = torch.topk(acc, k)
-    cands = [(float(sc), int(i) // vocab, int(i) % vocab) for sc, i in zip(top_scores, top_idx)]
-    at_limit = cur_len + 1 >= s.max_length
-    hits = [at_limit or (not params.ignore_eos and t in engine.eos_token_ids) for _, _, t in cands]
-
-    # Finished hypotheses: only candidates ranked in the top `width` may finish.
-    if s.improvable:
-        gen_len = cur_len + 1 - prompt_len
-        for rank, ((sc, b, t), hit) in enumerate(zip(cands, hits)):
-            if hit and rank < width:
-                reason = "length" if t not in engine.eos_token_ids or params.ignore_eos else "stop"
-                tokens = s.beams[b].output_token_ids + [t]
-                s.finished.append((sc / gen_len**params.length_penalty, tokens, sc, reason))
-        s.finished.sort(key=lambda f: f[0], reverse=True)
-        del s.finished[width:]
-
-    survivors = [c for c, hit in zip(cands, hits) if not hit][:width]
-    if at_limit or not survivors:
-        s.done = True
-        for b in s.beams:
-            kv.free(b.request_id)
-        s.beams, s.scores = [], []
-        return
-
-    # New beams. A parent continued several ways forks (shares its blocks); the first way reuses
-    # the parent itself; a parent nobody continues is freed now, not at the end.
-    by_parent: dict[int, list[tuple[float, int]]] = {}
-    for sc, b, t in survivors:
-        by_parent.setdefault(b, []).append((sc, t))
-    for b, parent in enumerate(s.beams):
-        if b not in by_parent:
-            kv.free(parent.request_id)  # first, so its blocks can serve the forks below
-    new_beams = []
-    for b, parent in enumerate(s.beams):
-        ways = by_parent.get(b, [])
-        for sc, t in ways[1:]:
-            child = new_beam(parent.prompt_token_ids + parent.output_token_ids + [t], prompt_len)
-            child.num_computed_tokens = parent.num_computed_tokens
-            if not kv.fork(parent.request_id, child.request_id):
-                raise RuntimeError("beam search ran out of KV blocks while forking a beam "
-                                   "(every block has been returned)")
-            new_beams.append((sc, child))
-        if ways:
-            parent.output_token_ids.append(ways[0][1])
+        # A parent continued several ways forks (shares its blocks); the first way reuses the
+        # parent itself; a parent nobody continues is dropped (its blocks freed now).
+        by_parent: dict[int, list[tuple[float, int]]] = {}
+        for sc, b, t in survivors:
+            by_parent.setdefault(b, []).append((sc, t))
+        new_beams = []
+        for b, parent in enumerate(self.beams):
+            ways = by_parent.get(b)
+            if not ways:
+                step.drop.append(parent)
+                continue
+            for sc, t in ways[1:]:
+                child = self._new_beam(parent.output_token_ids + [t])
+                step.forks.append((parent, child))
+                new_beams.append((sc, child))
+            step.extend.append((parent, ways[0][1]))
             new_beams.append((ways[0][0], parent))
-    new_beams.sort(key=lambda x: x[0], reverse=True)
-    s.beams = [b for _, b in new_beams]
-    s.scores = [sc for sc, _ in new_beams]
+        new_beams.sort(key=lambda x: x[0], reverse=True)
+        self.beams = [b for _, b in new_beams]
+        self.scores = [sc for sc, _ in new_beams]
 
-    # transformers' heuristic (early_stopping=False): stop once the best live beam, scored at
-    # the current length, cannot beat the worst finished hypothesis.
-    if len(s.finished) == width:
-        best_possible = s.scores[0] / (cur_len + 1 - prompt_len) ** params.length_penalty
-        s.improvable = s.improvable and best_possible > s.finished[-1][0]
-    if not s.improvable:
-        s.done = True
-        for b in s.beams:
-            kv.free(b.request_id)
-        s.beams, s.scores = [], []
+        # transformers' heuristic (early_stopping=False): stop once the best live beam, scored at
+        # the current length, cannot beat the worst finished hypothesis.
+        if len(self.finished) == width:
+            best_possible = self.scores[0] / (cur_len + 1 - prompt_len) ** params.length_penalty
+            self.improvable = self.improvable and best_possible > self.finished[-1][0]
+        if not self.improvable:
+            # Nothing forked or extended survives: undo this step's plan and drop every beam.
+            step.drop = [b for b in step.drop] + [p for p, _ in step.extend]
+            step.forks, step.extend = [], []
+            self.beams, self.scores = [], []
+            self.done = True
+        return step
+
+    def _finish(self, step: BeamStep) -> BeamStep:
+        step.drop += self.beams
+        self.beams, self.scores = [], []
+        self.done = True
+        return step
+
+    def output(self, tokenizer) -> BeamSearchOutput:
+        return BeamSearchOutput([
+            BeamSearchSequence(self.prompt_ids + gen, detokenize(tokenizer, gen), cum, score,
+                               reason)
+            for score, gen, cum, reason in self.finished
+        ])

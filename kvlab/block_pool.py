@@ -41,8 +41,13 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (blk.block_id, blk) for blk in self.blocks
         )
-        # Prefix caching: key -> the block holding that prefix (running or free, not yet reused).
-        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # Prefix caching: key -> every block holding that prefix (running or free, not yet
+        # reused), by block id. Usually one; two requests that computed the same block before
+        # either was cached hold two copies, and both stay findable (vLLM's
+        # BlockHashToBlockMap in vllm/v1/core/block_pool.py): evicting one copy must not hide
+        # the other, which a running request still holds. Blocks are never merged, so block
+        # tables stay append-only.
+        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -69,19 +74,27 @@ class BlockPool:
     def _evict(self, blk: KVCacheBlock) -> None:
         """A block about to be overwritten stops standing for its prefix."""
         if blk.block_hash is not None:
-            if self.cached_block_hash_to_block.get(blk.block_hash) is blk:
-                del self.cached_block_hash_to_block[blk.block_hash]
+            copies = self.cached_block_hash_to_block.get(blk.block_hash)
+            if copies is not None:
+                copies.pop(blk.block_id, None)
+                if not copies:
+                    del self.cached_block_hash_to_block[blk.block_hash]
             blk.block_hash = None
 
+    def uncache_block(self, blk: KVCacheBlock) -> None:
+        """Forget a block's key: its K/V was never written (a failed step), so no one may hit it."""
+        self._evict(blk)
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+        """Any block holding this prefix (the oldest registered copy), or None."""
+        copies = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(copies.values())) if copies else None
 
     def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a full block under its key. If another block already holds the same prefix
-        (two requests computed it at once), the first stays the one found."""
-        if blk.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+        """Register a full block under its key, beside any other copy of the same prefix."""
+        if blk.block_hash is None:
             blk.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = blk
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
 
     def find_contiguous_free_run(self, num_blocks: int) -> int | None:
         """First fit: the lowest block id that starts `num_blocks` consecutive free blocks.
@@ -144,5 +157,8 @@ class BlockPool:
                 f"block {blk.block_id}: ref_cnt {blk.ref_cnt}, in free queue {in_queue}"
             )
         assert self.get_num_free_blocks() + self.get_num_used_blocks() == self.num_blocks
-        for key, blk in self.cached_block_hash_to_block.items():
-            assert blk.block_hash == key, f"block {blk.block_id} is indexed under another key"
+        for key, copies in self.cached_block_hash_to_block.items():
+            assert copies, f"an empty entry for key {key.hex()[:8]}"
+            for block_id, blk in copies.items():
+                assert blk.block_id == block_id and blk.block_hash == key, (
+                    f"block {blk.block_id} is indexed under another key")

@@ -1,12 +1,21 @@
 """`kvlab serve ...`: vLLM's flag names, mapped onto `LLM(...)`.
 
 Defined for notebook 07: `engine_kwargs(parser().parse_args([...]))` shows which `LLM` knob each
-vLLM flag sets, so a command line carries over between the two.
+vLLM flag sets, so a command line carries over between the two; `server_kwargs` does the same for
+the server's own options (`build_app(...)`).
+
+Key mode, modelled on vLLM's `--api-key` / `VLLM_API_KEY` (the flag wins over the variable):
+`--api-keys-file PATH` or `KVLAB_API_KEYS` holds {key: tenant} (a JSON object, or
+`key1=tenant-a,key2=tenant-b`: see `kvlab.tenants`), and `--salt-secret-file PATH` or
+`KVLAB_SALT_SECRET` the secret the tenants' salts derive from. Unlike vLLM there is no flag that
+takes a key itself: a command line is readable by every local user (`ps`, /proc/PID/cmdline).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,6 +36,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off, as in vLLM)")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="key mode: a JSON object {key: tenant} (or key=tenant pairs); every /v1 "
+                        "request then needs 'Authorization: Bearer <key>' and gets its tenant's "
+                        "cache salt (env: KVLAB_API_KEYS, same format)")
+    p.add_argument("--salt-secret-file", default=None, metavar="PATH",
+                   help="key mode: the secret (>= 32 bytes) the tenants' salts derive from; "
+                        "default random at start, so cached prefixes do not survive a restart "
+                        "(env: KVLAB_SALT_SECRET)")
     return top
 
 
@@ -41,14 +58,44 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "enable_chunked_prefill": args.enable_chunked_prefill}
 
 
+def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
+    """The `build_app(...)` keyword arguments a `kvlab serve` command line (and environment)
+    stands for. Raises ValueError, never quoting a key or the secret, on a bad map or secret."""
+    from kvlab.tenants import MIN_SECRET_BYTES, parse_api_keys
+
+    environ = os.environ if environ is None else environ
+    api_keys = salt_secret = None
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            api_keys = parse_api_keys(f.read())
+    elif environ.get("KVLAB_API_KEYS", "").strip():  # empty counts as unset, as VLLM_API_KEY
+        api_keys = parse_api_keys(environ["KVLAB_API_KEYS"])
+    if args.salt_secret_file:
+        with open(args.salt_secret_file, "rb") as f:
+            salt_secret = f.read().strip()  # `echo $SECRET > file` leaves a newline
+    elif environ.get("KVLAB_SALT_SECRET", "").strip():
+        salt_secret = environ["KVLAB_SALT_SECRET"].strip().encode("utf-8")
+    if salt_secret is not None and len(salt_secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the salt secret must be at least {MIN_SECRET_BYTES} bytes")
+    if salt_secret is not None and api_keys is None:
+        raise ValueError("a salt secret (--salt-secret-file / KVLAB_SALT_SECRET) is only used "
+                         "with API keys (--api-keys-file / KVLAB_API_KEYS)")
+    return {"enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+            "api_keys": api_keys, "salt_secret": salt_secret}
+
+
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    try:
+        app_kwargs = server_kwargs(args)
+    except (OSError, ValueError) as e:
+        top.error(str(e))
 
     from kvlab.engine import LLM
     from kvlab.server import serve
 
-    serve(LLM(**engine_kwargs(args)), args.host, args.port,
-          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    serve(LLM(**engine_kwargs(args)), args.host, args.port, **app_kwargs)
 
 
 if __name__ == "__main__":

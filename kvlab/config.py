@@ -15,6 +15,7 @@ from kvlab.prefix_cache import HASH_ALGOS
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("continuous", "static")
 BACKENDS = ("auto", "reference", "flex")
+PARALLEL_SAMPLING = ("fork", "child_requests")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -70,6 +71,12 @@ class EngineConfig:
     # pool in place (the GPU path; on a CPU it runs eagerly, slowly, as a check). Tests prove
     # all three give transformers' tokens.
     backend: str = "auto"
+    # kvlab-only: how the n samples of SamplingParams(n > 1) share their prompt (chapter 02).
+    # "fork": the PagedAttention paper's way (and vLLM v0's): the prompt is computed once and
+    # the samples fork its block table, the partly filled last block included; copy-on-write
+    # separates them. "child_requests": vLLM v1's way (vllm/v1/engine/parallel_sampling.py):
+    # n independent requests that share only full prompt blocks, through the prefix cache.
+    parallel_sampling: str = "fork"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -89,6 +96,7 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, minimum=0)
         check_choice("backend", self.backend, BACKENDS)
+        check_choice("parallel_sampling", self.parallel_sampling, PARALLEL_SAMPLING)
         check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, HASH_ALGOS)
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
             raise ValueError(

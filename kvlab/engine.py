@@ -2,10 +2,14 @@
 
 Defined in notebook 00; notebook 03 drives `LLMEngine` step by step. All state lives in the
 engine instance: two engines in one notebook never see each other's requests or counters.
+
+One step is four calls, one owner each, as in vLLM v1: `Scheduler.schedule()` ->
+`ModelRunner.execute_model()` -> `Scheduler.update_from_output()` -> `OutputProcessor`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -13,21 +17,34 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from kvlab.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from kvlab.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from kvlab.config import EngineConfig
 from kvlab.inputs import ParsedPrompt, parse_prompt
-from kvlab.kv_cache import KVCacheManager, allocate_kv_cache
+from kvlab.kv_cache import allocate_kv_cache, make_kv_cache_manager
 from kvlab.metrics import RequestMetrics, StepRecord
 from kvlab.model import Transformer, load_model
+from kvlab.attention import get_attention_backend
 from kvlab.model_runner import ModelRunner
-from kvlab.outputs import CompletionOutput, RequestOutput
-from kvlab.request import Request, RequestStatus
-from kvlab.sampling import SamplingParams, sample
-from kvlab.scheduler import Scheduler
+from kvlab.output_processor import OutputProcessor
+from kvlab.outputs import RequestOutput
+from kvlab.request import Request, RequestGroup
+from kvlab.sampling import RequestOutputKind, Sampler, SamplingParams
+from kvlab.scheduler import Scheduler, SchedulerOutput
 
 # Default KV budget when kv_cache_tokens is not given (vLLM sizes it from free GPU memory).
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
 DEFAULT_GPU_KV_FRACTION = 0.5  # of the memory still free after the weights
+
+
+class EngineStepError(RuntimeError):
+    """A step failed inside the model. The requests it was running have been ended with
+    finish_reason "error" and their blocks returned; every other request is untouched, and
+    the engine can keep stepping. `request_ids` are the caller's ids of the failed requests."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed for {request_ids}: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 class LLMEngine:
@@ -35,7 +52,8 @@ class LLMEngine:
         self.config = config
         self.loaded = load_model(config.model, config.device, config.dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.model = Transformer(self.loaded, fast=config.backend != "reference")
+        self.model = Transformer(self.loaded, fast=config.backend != "reference",
+                                 attn_backend=get_attention_backend(config.backend))
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
         config.resolve(
@@ -48,22 +66,21 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
-        self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.kv_layout, config.max_model_len,
-            config.enable_prefix_caching, config.prefix_caching_hash_algo,
-        )
+        self.kv_cache_manager = make_kv_cache_manager(config)
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        self.model_runner = ModelRunner(
-            self.model, self.kv_cache, self.kv_cache_manager, self.device,
-            attention_backend=config.backend,
-        )
-        self.requests: dict[str, Request] = {}  # every unfinished sample, by its own id
+        # Unseeded sampling draws from the engine's own generator (seeded by `seed`): no global
+        # random state, so two engines in one notebook never disturb each other.
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.kv_cache_manager,
+                                        self.device, Sampler(self.device, config.seed))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, Request] = {}  # every sample of an unfinished request
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
-        self.num_requests_added = 0  # seeds unseeded sampling reproducibly, per engine
+        self.beam_groups: dict[str, BeamSearchGroup] = {}  # caller's id -> its beam search
+        self.num_requests_added = 0
         # The most recent steps, for plots; bounded so a long-lived engine does not grow.
         self.step_trace: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
@@ -79,11 +96,12 @@ class LLMEngine:
         """Everything add_request checks, without changing anything. Returns the parsed prompt."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self.parents:
+        if request_id in self.parents or request_id in self.beam_groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.n > self.config.max_num_seqs:
+        params.verify()  # a SamplingParams can be edited after it was built
+        if params.n > self.config.max_num_seqs and self.config.parallel_sampling == "fork":
             raise ValueError(
                 f"n={params.n} samples can never run together with max_num_seqs="
                 f"{self.config.max_num_seqs}: lower n or raise max_num_seqs"
@@ -99,18 +117,21 @@ class LLMEngine:
                            params: SamplingParams) -> None:
         """Add a request that `validate_request` has already checked and tokenized."""
         now = time.perf_counter()
-        base_seed = params.seed
-        if base_seed is None:  # reproducible per engine, distinct per request and sample
-            base_seed = (self.config.seed << 32) + (self.num_requests_added << 12)
         self.num_requests_added += 1
         samples = []
+        # Forked samples hold their seats together; vLLM v1's child requests are each a
+        # request of their own (one seat each).
+        fork = self.config.parallel_sampling == "fork"
+        group = RequestGroup(request_id, params.n) if params.n > 1 and fork else None
         for i in range(params.n):
             generator = None
-            if not params.greedy:
-                # Sample i draws from seed + i: SamplingParams(n=1, seed=seed + i) reproduces it
-                # alone, which is how the tests prove that sharing blocks changed nothing.
+            if params.seed is not None and not params.greedy:
+                # Sample i draws from seed + i (vLLM's parallel_sampling.py rule):
+                # SamplingParams(n=1, seed=seed + i) reproduces it alone, which is how the tests
+                # prove that sharing blocks changed nothing. Unseeded samples draw from the
+                # sampler's own generator, all rows in one call.
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(base_seed + i)
+                generator.manual_seed(params.seed + i)
             samples.append(
                 Request(
                     request_id=request_id if params.n == 1 else f"{i}_{request_id}",
@@ -123,24 +144,50 @@ class LLMEngine:
                     cache_salt=parsed.cache_salt,
                     parent_id=request_id,
                     index=i,
+                    group=group,
                 )
             )
         self.parents[request_id] = samples
         for r in samples:
             self.requests[r.request_id] = r
-        # The prompt is computed once, by sample 0; the others are forked from it when its
-        # prompt is done, sharing its blocks (chapter 02).
-        samples[0].fork_children = samples[1:]
-        self.scheduler.add_request(samples[0])
+        self.output_processor.add_request(request_id, samples)
+        if fork:
+            # The prompt is computed once, by sample 0; the others are forked from it when its
+            # prompt is done, sharing its blocks (chapter 02). The group holds their seats.
+            samples[0].fork_children = samples[1:]
+            self.scheduler.add_request(samples[0])
+        else:
+            # vLLM v1: n requests. With prefix caching, the first keys its full prompt blocks
+            # as it takes them and the others, admitted next, find them in the same step.
+            for r in samples:
+                self.scheduler.add_request(r)
+
+    def add_beam_search(self, request_id: str, parsed: ParsedPrompt,
+                        params: BeamSearchParams) -> BeamSearchGroup:
+        """Start one beam search: its first beam is an ordinary request to the scheduler."""
+        group = BeamSearchGroup(request_id, parsed.token_ids, params, self.eos_token_ids,
+                                self.config.max_model_len, time.perf_counter())
+        first = group.beams[0]
+        first.cache_salt = parsed.cache_salt
+        self.beam_groups[request_id] = group
+        self.scheduler.add_request(first)
+        return group
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool at once."""
+        if request_id in self.beam_groups:
+            for beam in self.beam_groups.pop(request_id).live_beams():
+                self.scheduler.finish_request(beam, "abort")
+            return
         if request_id not in self.parents:
             raise ValueError(f"unknown request_id {request_id!r}")
+        self._end(request_id, "abort")
+
+    def _end(self, request_id: str, reason: str) -> None:
         for r in self.parents.pop(request_id):
-            if not r.is_finished:
-                self.scheduler.finish_request(r, "abort")
+            self.scheduler.finish_request(r, reason)
             self.requests.pop(r.request_id, None)
+        self.output_processor.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -150,115 +197,75 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report every request that got a token."""
+        """Schedule, run the model once, update the requests, and report those that changed."""
         start = time.perf_counter()
-        cow_before = self.kv_cache_manager.num_cow_copies
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        num_decode = sum(
-            1 for r, n in sched.scheduled if r.num_computed_tokens >= r.num_prompt_tokens
-        )
-        for request, _ in sched.scheduled:
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = start
-        done, logits = self.model_runner.execute_model(sched.scheduled)
-        for request, num_new in sched.scheduled:
-            request.num_computed_tokens += num_new
-            self.kv_cache_manager.cache_blocks(request)  # full blocks become findable
-        # Each request whose K/V is complete samples one token. Samples waiting to be forked
-        # from it (n > 1) start now, sharing its blocks, and draw from the same logits.
-        rows, samplers = [], []
-        for i, request in enumerate(done):
-            children, request.fork_children = request.fork_children, []
-            for r in [request, *(c for c in children if self._fork(request, c, start))]:
-                rows.append(i)
-                samplers.append(r)
-        tokens = []
-        if samplers:
-            tokens = sample(logits[rows], [r.sampling_params for r in samplers],
-                            [r.generator for r in samplers])
-        now = time.perf_counter()
-        touched: dict[str, None] = {}
-        for r, token in zip(samplers, tokens):
-            self._append_token(r, token, now)
-            touched[r.parent_id] = None
-        self.record_step(
-            sched.scheduled, num_decode, start, cow_before,
-            running=self.scheduler.running, num_waiting=len(self.scheduler.waiting),
-        )
-        outputs = [self._make_output(pid) for pid in touched]
+        try:
+            result = self.model_runner.execute_model(sched)
+        except BaseException as e:  # an interrupt (Ctrl-C in a notebook) included
+            failed = self._fail_step(sched, e)
+            if not isinstance(e, Exception):
+                raise
+            raise EngineStepError(failed, e) from e
+        touched = self.scheduler.update_from_output(sched, result)
+        # Stop strings are found in text, so the output stage finds them; the scheduler ends them.
+        for request, stop in self.output_processor.check_stop_strings(touched):
+            if request.is_finished:  # ended by length in the same step: the string wins
+                request.finish_reason, request.stop_reason = "stop", stop
+                continue
+            self.scheduler.finish_request(request, "stop", stop_reason=stop)
+            request.metrics.finished_time = request.metrics.token_times[-1]
+        self.record_step(sched, start)
+        outputs = self.output_processor.make_outputs(touched)
         for out in outputs:
             if out.finished:
-                for r in self.parents.pop(out.request_id):
+                for r in self.parents.pop(out.request_id, ()):
                     self.requests.pop(r.request_id, None)
         return outputs
 
-    def record_step(self, scheduled, num_decode: int, start: float, cow_before: int,
-                    running: list[Request], num_waiting: int) -> None:
-        """Append one StepRecord to the trace (the engine's steps and beam search's alike)."""
+    def _fail_step(self, sched: SchedulerOutput, error: BaseException) -> list[str]:
+        """Only the requests of this step are in an unknown state: their freshly keyed blocks
+        hold no K/V, so forget those keys, then end the requests (their blocks come back) and
+        let every other request go on. Returns the caller's ids of the failed requests."""
+        for request, _ in sched.scheduled:
+            self.kv_cache_manager.uncache_unwritten_blocks(request)
+        failed = list(dict.fromkeys(r.parent_id for r, _ in sched.scheduled))
+        for rid in failed:
+            if rid in self.beam_groups:
+                self.beam_groups[rid].error = f"engine step failed: {error!r}"
+                self.abort_request(rid)
+            elif rid in self.parents:
+                self._end(rid, "error")
+        return failed
+
+    def record_step(self, sched: SchedulerOutput, start: float) -> None:
+        """Append one StepRecord to the trace."""
         self.num_steps += 1
+        running = self.scheduler.running
+        num_decode = sched.num_decode_tokens
         self.step_trace.append(StepRecord(
             step=self.num_steps,
-            request_ids=[r.request_id for r, _ in scheduled],
-            num_prefill_tokens=sum(n for _, n in scheduled) - num_decode,
+            request_ids=[r.request_id for r, _ in sched.scheduled],
+            num_prefill_tokens=sched.total_num_scheduled_tokens - num_decode,
             num_decode_tokens=num_decode,
             num_running=len(running),
-            num_waiting=num_waiting,
+            num_waiting=len(self.scheduler.waiting),
             num_used_blocks=self.kv_cache_manager.block_pool.get_num_used_blocks(),
             num_cached_tokens=sum(r.num_computed_tokens for r in running),
-            num_cow_copies=self.kv_cache_manager.num_cow_copies - cow_before,
+            num_cow_copies=len(sched.cow_copies),
             step_time=time.perf_counter() - start,
             forward_time=self.model_runner.last_forward_time,
         ))
 
-    def _fork(self, parent: Request, child: Request, now: float) -> bool:
-        """Start a sample from its parent's computed prompt: share blocks, copy nothing."""
-        if not self.kv_cache_manager.fork(parent.request_id, child.request_id):
-            # Contiguous layout with no free region: it computes its own prompt later.
-            self.scheduler.waiting.appendleft(child)
-            return False
-        child.metrics.first_scheduled_time = now
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self.scheduler.running.append(child)
-        return True
-
-    def _append_token(self, request: Request, token: int, now: float) -> None:
-        request.append_output_token(token, now)
-        reason = request.check_stop(self.config.max_model_len)
-        if reason is not None:
-            self.scheduler.finish_request(request, reason)
-            request.metrics.finished_time = now
-
-    def _make_output(self, parent_id: str) -> RequestOutput:
-        samples = self.parents[parent_id]
-        first = samples[0]
-        completions = [
-            CompletionOutput(
-                index=r.index,
-                text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-                token_ids=list(r.output_token_ids),
-                finish_reason=r.finish_reason,
-            )
-            for r in samples
-        ]
-        return RequestOutput(
-            request_id=parent_id,
-            prompt=first.prompt,
-            prompt_token_ids=list(first.prompt_token_ids),
-            outputs=completions,
-            finished=all(r.is_finished for r in samples),
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=first.metrics,
-        )
-
     # ---- what the notebooks read ------------------------------------------------------------
     def memory_map(self) -> list[tuple[str | None, int]]:
         """Who holds each physical block now, and how many of its slots hold tokens."""
-        return self.kv_cache_manager.memory_map(
-            {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
-        )
+        from kvlab.viz import memory_map  # a picture helper: kept out of the engine's imports
+
+        return memory_map(self.kv_cache_manager,
+                          {r.request_id: r.num_computed_tokens for r in self.scheduler.running})
 
     def block_tables(self) -> dict[str, list[int]]:
         return {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id)
@@ -266,21 +273,24 @@ class LLMEngine:
 
     def stats(self) -> dict:
         pool = self.kv_cache_manager.block_pool
+        kv = self.kv_cache_manager
         return {
             "kv_layout": self.config.kv_layout,
             "block_size": self.config.block_size,
             "num_blocks": pool.num_blocks,
             "num_free_blocks": pool.get_num_free_blocks(),
             "num_used_blocks": pool.get_num_used_blocks(),
-            "peak_blocks_used": self.kv_cache_manager.peak_blocks_used,
+            "peak_blocks_used": kv.peak_blocks_used,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_cow_copies": self.kv_cache_manager.num_cow_copies,
-            "prefix_cache_queries": self.kv_cache_manager.prefix_cache_queries,
-            "prefix_cache_hits": self.kv_cache_manager.prefix_cache_hits,
-            "prefix_cache_hit_rate": (
-                self.kv_cache_manager.prefix_cache_hits / self.kv_cache_manager.prefix_cache_queries
-                if self.kv_cache_manager.prefix_cache_queries else 0.0
-            ),
+            "num_cow_copies": kv.num_cow_copies,
+            # vLLM's PrefixCacheStats: first admissions, and re-admissions after a preemption
+            # apart (a preempted request finding its own blocks is not a shared-prefix hit).
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_hit_rate": (kv.prefix_cache_hits / kv.prefix_cache_queries
+                                      if kv.prefix_cache_queries else 0.0),
+            "prefix_cache_preempted_queries": kv.prefix_cache_preempted_queries,
+            "prefix_cache_preempted_hits": kv.prefix_cache_preempted_hits,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_capacity_tokens": pool.num_blocks * self.config.block_size,
             "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
@@ -315,6 +325,7 @@ class LLM:
         dtype: str = "auto",
         seed: int = 0,
         backend: str = "auto",
+        parallel_sampling: str = "fork",
     ) -> None:
         config = EngineConfig(  # validates every knob before anything is loaded
             model=model, block_size=block_size, kv_layout=kv_layout,
@@ -324,6 +335,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo, scheduling=scheduling,
             device=device, dtype=dtype, seed=seed, backend=backend,
+            parallel_sampling=parallel_sampling,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0
@@ -369,10 +381,14 @@ class LLM:
                 f"got {type(sampling_params).__name__}"
             )
         ids = [f"gen-{self.request_counter + i}" for i in range(len(prompts))]
-        # Tokenized once here; nothing is added unless every prompt passed.
+        # Tokenized once here; nothing is added unless every prompt and parameter passed.
         parsed = [engine.validate_request(rid, prompt, sp)
                   for rid, prompt, sp in zip(ids, prompts, params)]
         self.request_counter += len(prompts)
+        # Offline, only the finished output is wanted: text is decoded once, at the end
+        # (vLLM's LLM.generate asks for RequestOutputKind.FINAL_ONLY the same way).
+        params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for sp in params]
 
         for rid, pp, sp in zip(ids, parsed, params):
             engine.add_parsed_request(rid, pp, sp)
@@ -402,12 +418,46 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt, sequences best first."""
+        """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt, sequences best first.
+
+        Every prompt's beams are requests to the same scheduler as `generate`'s, stepped by the
+        same `engine.step()`; a search holds `beam_width` seats.
+        """
+        engine = self.llm_engine
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a prompt or a non-empty list of prompts")
-        return beam_search(self.llm_engine, list(prompts), params)
+        cfg, kv = engine.config, engine.kv_cache_manager
+        if params.beam_width > cfg.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} beams can never run together with "
+                             f"max_num_seqs={cfg.max_num_seqs}: lower beam_width")
+        ids = [f"beam-{self.request_counter + i}" for i in range(len(prompts))]
+        parsed = [engine.validate_request(rid, p, SamplingParams()) for rid, p in zip(ids, prompts)]
+        for p in parsed:
+            # Fewest blocks beam search can live with: the shared prompt plus one block per beam.
+            need = kv.num_blocks_for(len(p.token_ids)) + params.beam_width
+            if need > kv.num_blocks:
+                raise ValueError(
+                    f"beam_width={params.beam_width} with a {len(p.token_ids)}-token prompt needs "
+                    f"at least {need} KV blocks; the pool has {kv.num_blocks}: lower beam_width "
+                    "or raise kv_cache_tokens"
+                )
+        self.request_counter += len(prompts)
+        groups = [engine.add_beam_search(rid, p, params) for rid, p in zip(ids, parsed)]
+        try:
+            while not all(g.done or g.error for g in groups):
+                engine.step()
+        finally:
+            for rid in ids:  # every beam's blocks come back, whatever happened
+                if rid in engine.beam_groups:
+                    engine.abort_request(rid)
+        for g in groups:
+            if g.error:
+                raise RuntimeError(g.error)
+        return [g.output(engine.tokenizer) for g in groups]
 
     def apply_chat_template(self, conversation: list[dict]) -> list[int]:
         if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):

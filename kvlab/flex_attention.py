@@ -17,12 +17,11 @@ mask on every (query, slot) pair: slow, and only meant as the check that the tes
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from kvlab.attention import AttentionMetadata
+from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata
 
 TILE = 128  # FlexAttention's sparse block size, in queries and in slots
 
@@ -36,18 +35,20 @@ def flex_block_mask(block_tables: list[list[int]], query_start_loc: list[int],
     num_new = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
     num_seqs, total, num_slots = len(num_new), query_start_loc[-1], num_blocks * block_size
     # Each query's sequence and position.
-    q_seq = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(num_new))
-    q_pos = torch.cat([torch.arange(n - k, n) for n, k in zip(seq_lens, num_new)])
+    cpu = torch.device("cpu")  # built on the host (explicit: never the default device)
+    q_seq = torch.repeat_interleave(torch.arange(num_seqs, device=cpu),
+                                    torch.tensor(num_new, device=cpu))
+    q_pos = torch.cat([torch.arange(n - k, n, device=cpu) for n, k in zip(seq_lens, num_new)])
     # Each block sits at one logical index, whichever tables hold it: a block shared through the
     # prefix cache or a fork holds the same positions in every sequence that shares it. So one
     # (num_blocks,) map and the padded tables answer "is slot s in sequence i, and where".
-    ids = [torch.tensor(table, dtype=torch.long) for table in block_tables]
-    tables = torch.full((num_seqs, max(len(t) for t in ids)), -1, dtype=torch.long)
-    block_logical = torch.full((num_blocks,), -1, dtype=torch.long)
+    ids = [torch.tensor(table, dtype=torch.long, device=cpu) for table in block_tables]
+    tables = torch.full((num_seqs, max(len(t) for t in ids)), -1, dtype=torch.long, device=cpu)
+    block_logical = torch.full((num_blocks,), -1, dtype=torch.long, device=cpu)
     for i, t in enumerate(ids):
         tables[i, : len(t)] = t
-        block_logical[t] = torch.arange(len(t))
-    if any(not torch.equal(block_logical[t], torch.arange(len(t))) for t in ids):
+        block_logical[t] = torch.arange(len(t), device=cpu)
+    if any(not torch.equal(block_logical[t], torch.arange(len(t), device=cpu)) for t in ids):
         raise RuntimeError("a KV block sits at two logical positions; the flex mask needs one")
 
     kv_num_blocks, kv_indices = _sparse_tiles(ids, query_start_loc, block_size, num_slots)
@@ -71,18 +72,19 @@ def _sparse_tiles(block_tables: list[torch.Tensor], query_start_loc: list[int], 
     """For each 128-query tile, the 128-slot tiles that hold a block of any of its sequences:
     kv_num_blocks (1, 1, q_tiles) and kv_indices (1, 1, q_tiles, slot_tiles), as FlexAttention
     stores a BlockMask. Every listed tile is partial (mask_mod decides inside it)."""
+    cpu = torch.device("cpu")
     total = query_start_loc[-1]
     q_tiles, kv_tiles = -(-total // TILE), -(-num_slots // TILE)
     seq_tiles = []
     for table in block_tables:
         first = table * block_size
         lo, hi = first // TILE, (first + block_size - 1) // TILE  # a block may span tiles
-        span = torch.arange(block_size // TILE + 2)
+        span = torch.arange(block_size // TILE + 2, device=cpu)
         tiles = lo[:, None] + span[None, :]
         seq_tiles.append(torch.unique(tiles[tiles <= hi[:, None]]))
-    kv_num_blocks = torch.zeros((1, 1, q_tiles), dtype=torch.int32)
-    kv_indices = torch.zeros((1, 1, q_tiles, kv_tiles), dtype=torch.int32)
-    starts = torch.tensor(query_start_loc)
+    kv_num_blocks = torch.zeros((1, 1, q_tiles), dtype=torch.int32, device=cpu)
+    kv_indices = torch.zeros((1, 1, q_tiles, kv_tiles), dtype=torch.int32, device=cpu)
+    starts = torch.tensor(query_start_loc, device=cpu)
     for j in range(q_tiles):
         # Sequences with a query in [j * TILE, (j + 1) * TILE).
         seqs = ((starts[:-1] < (j + 1) * TILE) & (starts[1:] > j * TILE)).nonzero().flatten()
@@ -102,14 +104,33 @@ def _flex_kernel(device_type: str):
     return flex_attention
 
 
+@dataclass
+class FlexMetadata(AttentionMetadata):
+    block_mask: object  # FlexAttention's BlockMask over (new tokens) x (every slot of the pool)
+
+
+class FlexBackend:
+    """`backend="flex"`: one FlexAttention call per layer over the whole pool."""
+
+    name = "flex"
+
+    def build(self, common: CommonAttentionMetadata) -> FlexMetadata:
+        mask = flex_block_mask(common.block_table_ids, common.query_start_loc, common.seq_lens,
+                               common.num_blocks, common.block_size, common.device)
+        return FlexMetadata(slot_mapping=common.slot_mapping, block_mask=mask)
+
+    def forward(self, q, kv_layer, meta: FlexMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_flex(q, kv_layer, meta, scale)
+
+
 def paged_attention_flex(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: FlexMetadata, scale: float
 ) -> torch.Tensor:
     """q: (T, Hq, D) -> (T, Hq, D), every sequence of the step in one call over the pool."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
     # The pool as one long sequence of slots: (1, Hkv, num_blocks * block_size, D), a view.
     k = kv_layer[0].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = kv_layer[1].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-    o = _flex_kernel(q.device.type)(q.transpose(0, 1)[None], k, v, block_mask=meta.flex_block_mask,
+    o = _flex_kernel(q.device.type)(q.transpose(0, 1)[None], k, v, block_mask=meta.block_mask,
                        scale=scale, enable_gqa=True)  # (1, Hq, T, D)
     return o[0].transpose(0, 1)

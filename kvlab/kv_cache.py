@@ -7,11 +7,16 @@ Defined in notebook 01. One tensor per engine holds every K and V of every reque
 A request owns a block table, the list of physical blocks that hold its tokens in order. Token at
 position p lives in block `block_table[p // block_size]`, slot `p % block_size`.
 
-- paged (vLLM): blocks are taken one at a time, when the request's tokens reach them, from
-  anywhere in the pool. Waste is under one block per request.
-- contiguous (the pre-vLLM baseline): at admission a request reserves one unbroken region big
-  enough for max_model_len tokens, first fit. Reservation, internal and external fragmentation
-  all show up, in the same pool, so their cost is measured, not simulated.
+- paged (vLLM): `KVCacheManager`. Blocks are taken one at a time, when the request's tokens
+  reach them, from anywhere in the pool. Waste is under one block per request.
+- contiguous (the pre-vLLM baseline): `ContiguousKVCacheManager`, a class of its own beside the
+  vLLM path. At admission a request reserves one unbroken region big enough for max_model_len
+  tokens, first fit. Reservation, internal and external fragmentation all show up, in the same
+  pool, so their cost is measured, not simulated.
+
+The scheduler only ever calls the methods the two share: `allocate_slots`, `fork`,
+`get_computed_blocks`, `record_prefix_cache_stats`, `free`, `take_pending_copies`,
+`take_fork_copies`.
 """
 
 from __future__ import annotations
@@ -43,26 +48,36 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Block tables of the running requests, over one `BlockPool`.
+    """Block tables of the running requests over one `BlockPool`: the paged layout (vLLM).
 
-    Method names follow nano-vllm / vLLM: `allocate_slots` before a step, `free` when a request
-    ends. The scheduler asks; the manager says yes (and takes blocks) or no (and takes nothing).
+    Method names follow vLLM's `vllm/v1/core/kv_cache_manager.py`: `get_computed_blocks` and
+    `allocate_slots` when the scheduler admits or continues a request, `free` when it ends. The
+    scheduler asks; the manager says yes (and takes blocks) or no (and takes nothing).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, kv_layout: str, max_model_len: int,
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
                  enable_prefix_caching: bool = False, hash_algo: str = "sha256"):
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_algo = hash_algo
-        self.prefix_cache_queries = 0  # prompt tokens looked up (vLLM's counter names)
-        self.prefix_cache_hits = 0  # of which found in the cache
+        # Prefix-cache counters, in prompt tokens, as vLLM's PrefixCacheStats
+        # (vllm/v1/metrics/stats.py): requests admitted for the first time count in
+        # queries/hits; requests re-admitted after a preemption count apart, so that a request
+        # finding its own blocks again does not inflate the hit rate.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefix_cache_preempted_queries = 0
+        self.prefix_cache_preempted_hits = 0
         self.num_registered_blocks: dict[str, int] = {}  # request -> its blocks already keyed
-        self.kv_layout = kv_layout
-        self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.peak_blocks_used = 0
-        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, see fork / CoW
+        # (src, dst) block ids whose K/V must be copied before the next forward: copy-on-write
+        # copies made while scheduling this step, and fork copies made earlier, whose source
+        # K/V the last forward has finished writing.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_fork_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
         # False turns fork into a full copy: the baseline chapter 02 measures sharing against.
         self.share_blocks = True
@@ -75,27 +90,21 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
+                       new_computed_blocks: list[KVCacheBlock] = (), request=None) -> bool:
         """Make the request's block table cover its first `num_tokens` tokens, ready for the
         tokens from `num_computed_tokens` on to be written.
 
+        (vLLM's allocate_slots takes the request and its number of new tokens; here the totals
+        are passed, which reads more directly in the notebooks.)
         All or nothing: returns False, holding nothing new, if the pool cannot cover them.
         `new_computed_blocks` are prefix-cache hits (chapter 05) that start the block table.
         A block about to be written that other sequences still share (ref_cnt > 1) is first
-        copied to a fresh block: copy-on-write (chapter 02).
+        copied to a fresh block: copy-on-write (chapter 02). With prefix caching, the blocks
+        that this step fills are keyed here, before the forward, as vLLM's allocate_slots does
+        (`cache_blocks`): a request scheduled later in the same step already finds them, since
+        every layer writes the step's K/V before any sequence attends.
         """
-        blocks = self.req_to_blocks.get(request_id)
-        if self.kv_layout == "contiguous":
-            if blocks is None:
-                # Reserve for the longest the request could ever get, as FasterTransformer-era
-                # servers did: the output length is unknown when the request is admitted.
-                region = self.block_pool.get_contiguous_blocks(self.num_blocks_for(self.max_model_len))
-                if region is None:
-                    return False
-                self.req_to_blocks[request_id] = region
-            self._note_peak()
-            return True
-        blocks = blocks if blocks is not None else []
+        blocks = self.req_to_blocks.get(request_id, [])
         num_new = self.num_blocks_for(num_tokens) - len(blocks) - len(new_computed_blocks)
         # Shared blocks among those this step writes into (only ever the last one after a fork).
         first = num_computed_tokens // self.block_size
@@ -118,45 +127,53 @@ class KVCacheManager:
         if num_new > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new))
         self.req_to_blocks[request_id] = blocks
+        if request is not None:
+            self.cache_blocks(request, num_tokens)
         self._note_peak()
         return True
 
     def fork(self, parent_id: str, child_id: str) -> bool:
-        """Give `child_id` the parent's tokens without copying them, where the layout allows.
+        """Give `child_id` the parent's tokens without copying them (the PagedAttention paper's
+        fork). The child's block table is a copy of the parent's, and every block gains a
+        reference, the partly filled last block included; copy-on-write separates them later.
 
-        Paged: the child's block table is a copy of the parent's, and every block gains a
-        reference, the partly filled last block included. Contiguous: regions cannot be shared,
-        so the child reserves its own region and the parent's blocks are copied into it.
+        With `share_blocks=False` (chapter 02's baseline) the child gets fresh blocks and the
+        parent's K/V is copied into them before the next forward. Returns False, taking
+        nothing, when there is no room for that copy.
         """
         parent = self.req_to_blocks[parent_id]
-        if self.kv_layout == "paged" and self.share_blocks:
+        if self.share_blocks:
             self.block_pool.touch(parent)
             self.req_to_blocks[child_id] = list(parent)
             self.num_registered_blocks[child_id] = self.num_registered_blocks.get(parent_id, 0)
-        else:
-            if self.kv_layout == "paged":  # the no-sharing baseline: fresh blocks, full copy
-                if len(parent) > self.block_pool.get_num_free_blocks():
-                    return False
-                region = self.block_pool.get_new_blocks(len(parent))
-            else:
-                region = self.block_pool.get_contiguous_blocks(len(parent))
-            if region is None:
-                return False
-            self.pending_copies += [(p.block_id, c.block_id) for p, c in zip(parent, region)]
-            self.req_to_blocks[child_id] = region
+            self._note_peak()
+            return True
+        if len(parent) > self.block_pool.get_num_free_blocks():
+            return False
+        return self._fork_by_copy(parent, child_id, self.block_pool.get_new_blocks(len(parent)))
+
+    def _fork_by_copy(self, parent: list[KVCacheBlock], child_id: str, region) -> bool:
+        self.pending_fork_copies += [(p.block_id, c.block_id) for p, c in zip(parent, region)]
+        self.req_to_blocks[child_id] = list(region)
         self._note_peak()
         return True
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """(source, destination) block pairs whose K/V must be copied before the next forward."""
+        """Copy-on-write (source, destination) block pairs to copy before the next forward."""
         copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def take_fork_copies(self) -> list[tuple[int, int]]:
+        """Fork copies (no-sharing baseline and contiguous layout) made since the last call."""
+        copies, self.pending_fork_copies = self.pending_fork_copies, []
         return copies
 
     def get_computed_blocks(self, request) -> tuple[list[KVCacheBlock], int]:
         """Prefix-cache lookup: the longest run of cached full blocks from the request's start.
 
         Never the whole sequence: at least its last token is computed, so there are logits to
-        sample from. Returns the hit blocks and the number of tokens they hold.
+        sample from. Returns the hit blocks and the number of tokens they hold (the scheduler
+        counts the lookup with `record_prefix_cache_stats` once it admits the request).
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -170,11 +187,25 @@ class KVCacheManager:
             hits.append(blk)
         return hits, len(hits) * self.block_size
 
-    def cache_blocks(self, request) -> None:
-        """Key the request's blocks that its computed tokens have filled, so others find them."""
+    def record_prefix_cache_stats(self, request, num_hits: int) -> None:
+        """Count one admission's lookup (vLLM: KVCacheManager.record_prefix_cache_stats)."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        if request.num_preemptions > 0:
+            self.prefix_cache_preempted_queries += request.num_tokens
+            self.prefix_cache_preempted_hits += num_hits
+        else:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hits
+
+    def cache_blocks(self, request, num_tokens: int | None = None) -> None:
+        """Key the request's blocks that its first `num_tokens` tokens fill (default: its
+        computed tokens), so others find them."""
+        if not self.enable_prefix_caching:
+            return
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         done = self.num_registered_blocks.get(request.request_id, 0)
         if num_full <= done:
             return
@@ -185,44 +216,67 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_registered_blocks[request.request_id] = num_full
 
+    def uncache_unwritten_blocks(self, request) -> None:
+        """Forget the keys of blocks keyed for a step that never ran (an exception or an
+        interrupt before the forward finished): keys are given at allocation, before the K/V
+        is written, so without this a later request could hit K/V that does not exist."""
+        first = request.num_computed_tokens // self.block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for blk in blocks[first:]:
+            self.block_pool.uncache_block(blk)
+        if request.request_id in self.num_registered_blocks:
+            self.num_registered_blocks[request.request_id] = min(
+                self.num_registered_blocks[request.request_id], first)
+
     def free(self, request_id: str) -> None:
         """Return a request's blocks to the pool, last block first (see BlockPool.free_blocks)."""
         self.num_registered_blocks.pop(request_id, None)
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
+            freed = {blk.block_id for blk in blocks}
+            # A fork copy into blocks given back now must not land on their next owner.
+            self.pending_fork_copies = [c for c in self.pending_fork_copies
+                                        if c[1] not in freed]
             self.block_pool.free_blocks(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [blk.block_id for blk in self.req_to_blocks.get(request_id, [])]
 
-    def memory_map(self, num_tokens: dict[str, int]) -> list[tuple[str | None, int]]:
-        """For each physical block in address order: (owner request id or None, slots filled).
-
-        `num_tokens` gives each request's tokens in the cache; a block past them is held but
-        empty (reservation), and the unfilled part of a request's last block is internal waste.
-        """
-        owner: list[tuple[str | None, int]] = [(None, 0)] * self.num_blocks
-        for rid, blocks in self.req_to_blocks.items():
-            n = num_tokens.get(rid, 0)
-            for i, blk in enumerate(blocks):
-                owner[blk.block_id] = (rid, max(0, min(self.block_size, n - i * self.block_size)))
-        return owner
-
-    def usable_free_slots(self) -> int:
-        """Free slots someone could still be given. Paged: all of them. Contiguous: only those in
-        gaps large enough for a whole max-length region; the rest is external fragmentation."""
-        free = [blk.ref_cnt == 0 for blk in self.block_pool.blocks]
-        if self.kv_layout == "paged":
-            return sum(free) * self.block_size
-        region = self.num_blocks_for(self.max_model_len)
-        usable, run = 0, 0
-        for is_free in free + [False]:  # the sentinel closes the last run
-            if is_free:
-                run += 1
-            else:
-                usable += (run // region) * region
-                run = 0
-        return usable * self.block_size
-
     def _note_peak(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_pool.get_num_used_blocks())
+
+
+class ContiguousKVCacheManager(KVCacheManager):
+    """The pre-vLLM baseline (chapter 01): one unbroken region of max_model_len tokens per
+    request, reserved at admission, first fit. Regions cannot be shared, so there is no prefix
+    caching and a fork copies the whole region."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int):
+        super().__init__(num_blocks, block_size, max_model_len)
+        self.share_blocks = False
+
+    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] = (), request=None) -> bool:
+        if request_id not in self.req_to_blocks:
+            # Reserve for the longest the request could ever get, as FasterTransformer-era
+            # servers did: the output length is unknown when the request is admitted.
+            region = self.block_pool.get_contiguous_blocks(self.num_blocks_for(self.max_model_len))
+            if region is None:
+                return False
+            self.req_to_blocks[request_id] = region
+        self._note_peak()
+        return True
+
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        parent = self.req_to_blocks[parent_id]
+        region = self.block_pool.get_contiguous_blocks(len(parent))
+        return region is not None and self._fork_by_copy(parent, child_id, region)
+
+
+def make_kv_cache_manager(config) -> KVCacheManager:
+    """The manager for an EngineConfig's kv_layout."""
+    if config.kv_layout == "contiguous":
+        return ContiguousKVCacheManager(config.num_blocks, config.block_size,
+                                        config.max_model_len)
+    return KVCacheManager(config.num_blocks, config.block_size, config.max_model_len,
+                          config.enable_prefix_caching, config.prefix_caching_hash_algo)

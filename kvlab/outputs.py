@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvlab.metrics import RequestMetrics
 
@@ -12,7 +12,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", "abort" or None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None (running)
+    # What stopped it, as vLLM reports: the stop token id or stop string; None for EOS/length.
+    stop_reason: int | str | None = None
+    # With SamplingParams(logprobs=k): per token, {token id: logprob} (top k + the sampled one).
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -28,3 +32,13 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward produced (vLLM's class of the same name is in vllm/v1/outputs.py): a
+    token for every request that reached the end of its sequence (forked samples included),
+    and top logprobs where they were asked for."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)

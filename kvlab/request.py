@@ -11,6 +11,16 @@ from kvlab.metrics import RequestMetrics
 from kvlab.sampling import SamplingParams
 
 
+@dataclass(eq=False)
+class RequestGroup:
+    """Requests that share seats: the n samples of one forked request (chapter 02), or the beams
+    of one beam search. The group holds `num_seats` of max_num_seqs from the moment its first
+    member runs, so the samples forked later, or the beams, always find their seat."""
+
+    group_id: str
+    num_seats: int
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -30,12 +40,16 @@ class Request:
     parent_id: str | None = None  # the id the caller used; differs for the samples of n > 1
     index: int = 0  # which of the parent's n samples this is
     output_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams(logprobs=k): per generated token, {token id: logprob} of the top k and
+    # the sampled token (vLLM's CompletionOutput.logprobs, as plain floats).
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # vLLM v1's one number of progress: tokens whose K/V are in the cache. The scheduler gives a
     # request `num_tokens - num_computed_tokens` new tokens: a whole prompt, a chunk, or the one
     # token sampled last step (a decode). Prefill and decode are the same thing at different sizes.
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     # Prefix caching (chapter 05): keys of this request's full blocks, and the prompt tokens
     # found in the cache at its first admission (vLLM's num_cached_tokens).
@@ -43,6 +57,10 @@ class Request:
     num_cached_tokens: int = 0
     # n > 1: the other samples, forked from this one when its prompt is done (chapter 02).
     fork_children: list["Request"] = field(default_factory=list)
+    group: RequestGroup | None = None  # seats shared with the other samples or beams
+    # Beam search: the BeamSearchGroup that chooses this beam's next token (see beam_search.py);
+    # None for ordinary requests, which sample their own.
+    beam_group: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +96,7 @@ class Request:
         if not sp.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if last in sp.stop_token_ids:
+            self.stop_reason = last
             return "stop"
         if len(self.output_token_ids) >= sp.max_tokens or self.num_tokens >= max_model_len:
             return "length"

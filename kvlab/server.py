@@ -1,123 +1,460 @@
 """`kvlab serve`: an OpenAI-compatible HTTP server over one engine, the bridge to vLLM.
 
 Endpoints as vLLM's: `/v1/completions` and `/v1/chat/completions` (with `"stream": true` for
-server-sent events), `cache_salt` in the request body, `usage.prompt_tokens_details.cached_tokens`
-in the response (with `--enable-prompt-tokens-details`, as in vLLM), `/metrics` in Prometheus
-text, `/v1/models`, `/health`.
+server-sent events), `/metrics` in Prometheus text, `/v1/models`, `/health`.
+
+Request fields (the tables `SUPPORTED_FIELDS` and `UNSUPPORTED_FIELDS` below are the reference):
+
+* Implemented: `prompt` (a string or token ids) or `messages`; `max_tokens` (chat also
+  `max_completion_tokens`; default 16), `temperature`, `top_p`, `n`, `seed`, `stop` (a string or
+  up to 4 strings), `stream` and `stream_options.include_usage`; vLLM's extras `top_k`,
+  `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens` and
+  `cache_salt` (refused in key mode, below). `model` and `user` are tags: accepted, not used (one model is served).
+* Refused with a 400 that names the field: every other OpenAI field (and a few vLLM extras) that
+  kvlab does not implement, e.g. `logprobs`, `echo`, `suffix`, `frequency_penalty`,
+  `logit_bias`, `tools`, `response_format`, `min_p`, unless sent at its "off" value (null, 0,
+  false, empty, `best_of` equal to `n`, `response_format` {"type": "text"}); and any field name
+  that is neither OpenAI's nor kvlab's. vLLM ignores unknown fields with a log warning; kvlab
+  refuses them, so a workshop participant who types `max_token` sees the typo instead of a
+  silently different answer.
+
+Responses as vLLM's: `finish_reason` and vLLM's `stop_reason` (the stop string or stop token id)
+per choice, `usage` (with `prompt_tokens_details.cached_tokens` under
+`--enable-prompt-tokens-details`). A streaming request asks the engine for
+`RequestOutputKind.DELTA` (each output holds only the new text; the engine's incremental
+detokenizer never splits a character and holds back a possible stop string) and a non-streaming
+one for `FINAL_ONLY` (one output, when it is done), exactly as vLLM's serving layer does.
 
 One worker thread steps the engine while requests are unfinished; each HTTP request waits on an
-asyncio queue for its outputs. A client that disconnects has its request aborted at once, which
-returns its blocks. Bad requests get a 400 with the engine's own error message.
+asyncio queue for its outputs. The worker never dies of a failed step: the requests that failed
+get an HTTP 500 (or, once streaming, an SSE `data: {"error": ...}` event then `data: [DONE]`),
+the engine has already returned their blocks, and the others go on. `/health` is 200 while the
+worker runs and 503, with the reason, when it does not. A client that disconnects has its
+request aborted at once, which returns its blocks. Bad requests get a 400 with the reason.
+
+Threat model of `cache_salt`: by default the client chooses it, so it isolates only a client whose
+salt is secret and unguessable; whoever sends the same salt shares its cached prefixes and can
+probe them (`cached_tokens`, latency). Key mode (`--api-keys-file`/`KVLAB_API_KEYS`, `api_keys=`)
+gives the choice to the server: /v1 needs `Authorization: Bearer <key>` (else 401), the key names
+a tenant, its salt is HMAC-SHA256(server secret, tenant) (`kvlab.tenants`). A client `cache_salt`
+is then refused (400), not ignored: a silently different meaning is worse than a clear refusal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import itertools
 import json
+import logging
 import threading
 import time
 
 from aiohttp import web
 
-from kvlab.engine import LLM
-from kvlab.sampling import SamplingParams
+from kvlab.engine import LLM, EngineStepError
+from kvlab.sampling import RequestOutputKind, SamplingParams
+from kvlab.tenants import TenantKeys
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "ignore_eos",
-                   "stop_token_ids")
+logger = logging.getLogger(__name__)
+
+# ---- request fields: the one table that the docs and the tests read -----------------------------
+# Passed to SamplingParams under the same (vLLM's) names.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop",
+                   "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                   "skip_special_tokens")
+_COMMON_FIELDS = (*SAMPLING_FIELDS, "stream", "stream_options", "cache_salt",
+                  "model", "user")  # model, user: tags, accepted and unused (vLLM ignores user)
+# Every field kvlab implements, per endpoint.
+SUPPORTED_FIELDS: dict[str, tuple[str, ...]] = {
+    "/v1/completions": ("prompt", *_COMMON_FIELDS),
+    # OpenAI's current name for max_tokens in chat; it wins when both are sent (as in vLLM).
+    "/v1/chat/completions": ("messages", "max_completion_tokens", *_COMMON_FIELDS),
+}
+# OpenAI's request fields, and vLLM's extras, that kvlab does not implement, each with the values
+# that mean "off". Those values are accepted (clients send defaults explicitly); any other value
+# is refused with a 400 naming the field, never answered as if the field were not there.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    # OpenAI
+    "best_of": (None,),  # also accepted when equal to n: one candidate per returned sample
+    "echo": (None, False),
+    "suffix": (None, ""),
+    # Completions: an int, and 0 already asks for the sampled token's logprob; chat: a bool.
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),  # labels for stored completions; kvlab stores nothing
+    # vLLM's extras
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "repetition_penalty": (None, 1),
+    "use_beam_search": (None, False),  # kvlab's beam search is offline only (LLM.beam_search)
+    "length_penalty": (None, 1),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "structured_outputs": (None,),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "priority": (None, 0),
+    "request_id": (None,),
+}
+MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
+
+
+class RequestFailed(Exception):
+    """A request the server could not finish: sent to the client as an OpenAI-style error."""
+
+    def __init__(self, message: str, status: int = 500, err_type: str = "InternalServerError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.err_type, self.param = message, status, err_type, param
+
+    def body(self) -> dict:
+        # vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.status}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> RequestFailed:
+    return RequestFailed(message, 400, "BadRequestError", param)
 
 
 class AsyncEngine:
-    """An LLMEngine driven by one worker thread, fed from asyncio handlers."""
+    """An LLMEngine driven by one worker thread, fed from asyncio handlers.
+
+    `self.lock` guards the engine: the worker holds it for a step, handlers for an add or an
+    abort. A request's queue enters `self.queues` in the same locked section as the request enters
+    the engine (so the worker never sees one without the other) and leaves it when its handler
+    releases it (one dict operation, atomic, so that needs no lock).
+    """
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
-        self.lock = threading.Lock()  # the worker steps; handlers add and abort
+        self.lock = threading.Lock()
         self.queues: dict[str, asyncio.Queue] = {}
         self.wakeup = threading.Event()
         self.stopped = False
+        # Why the worker is not running (None while it runs): /health reports it, and once it is
+        # set, no request is accepted. Set under the lock, so an add either happens before the
+        # worker fails every queue on its way out, or is refused.
+        self.dead_reason: str | None = "the engine loop has not started"
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
         self.ids = itertools.count()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.dead_reason = None
         self.thread.start()
 
     def stop(self) -> None:
         self.stopped = True
         self.wakeup.set()
-        self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
 
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self.thread.is_alive()
+
+    # ---- the worker thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        while not self.stopped:
+        reason = "the engine loop was stopped"
+        try:
+            while not self.stopped:
+                busy = self._step()
+                if not busy:
+                    self.wakeup.wait(0.05)
+                    self.wakeup.clear()
+        except BaseException as e:
+            # Only something that is not an Exception (SystemExit, say) gets here: _step
+            # survives every Exception. Logged and recorded for /health; the thread ends.
+            reason = f"the engine loop died: {e!r}"
+            logger.critical("kvlab engine loop died", exc_info=True)
+        finally:
             with self.lock:
+                self.dead_reason = reason
+                self._fail(list(self.queues), reason, abort=True)
+
+    def _step(self) -> bool:
+        """One engine step, and its outputs delivered. Returns whether there was work."""
+        with self.lock:
+            try:
                 busy = self.engine.has_unfinished_requests()
                 outputs = self.engine.step() if busy else []
-            for out in outputs:
-                queue = self.queues.get(out.request_id)
-                if queue is not None:
-                    self.loop.call_soon_threadsafe(queue.put_nowait, out)
-            if not busy:
-                self.wakeup.wait(0.05)
-                self.wakeup.clear()
+            except EngineStepError as e:
+                # The model failed in this step. The engine has already ended the step's
+                # requests (finish_reason "error", blocks back in the pool); the rest are intact.
+                logger.error("engine step failed for %s", e.request_ids, exc_info=e.cause)
+                self._fail(e.request_ids,
+                           f"the engine failed while running this request: {e.cause!r}")
+                return True
+            except Exception as e:
+                # A bug in the engine: nobody knows which requests it left half-updated, so every
+                # request in flight is ended here (its blocks back to the pool) and failed.
+                logger.exception("engine step raised; failing every request in flight")
+                self._fail(list(self.queues),
+                           f"the engine failed while running this request: {e!r}", abort=True)
+                busy = False  # pause a moment: an engine that fails every step must not spin
+            else:
+                for out in outputs:
+                    queue = self.queues.get(out.request_id)
+                    if queue is not None:
+                        self._deliver(queue, out)
+        return busy
 
-    async def generate(self, prompt, params: SamplingParams):
-        """Yield RequestOutputs of one request until it finishes; abort it if we are cancelled
-        (the client went away) or fail. Raises ValueError/TypeError on bad input."""
+    def _fail(self, request_ids: list[str], message: str, abort: bool = False) -> None:
+        """Hand a RequestFailed (500) to each request's handler; with `abort`, end the request in
+        the engine first (returning its blocks). Called with the lock held."""
+        for rid in request_ids:
+            if abort and rid in self.engine.parents:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    logger.exception("could not abort %s", rid)
+            queue = self.queues.get(rid)
+            if queue is not None:
+                self._deliver(queue, RequestFailed(message))
+
+    def _deliver(self, queue: asyncio.Queue, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is going away
+            pass
+
+    # ---- the handlers' side ---------------------------------------------------------------------
+    async def add_request(self, prompt, params: SamplingParams) -> str:
+        """Queue one request; returns its id. Raises ValueError/TypeError on bad input and
+        RequestFailed when the engine loop is not running. The caller must `release` the id."""
         rid = f"cmpl-{next(self.ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = queue
 
         def add():
             with self.lock:
+                if self.dead_reason is not None:
+                    raise RequestFailed(f"the engine is not running: {self.dead_reason}")
                 self.engine.add_request(rid, prompt, params)
+                self.queues[rid] = queue
 
+        def undo(fut) -> None:
+            if not fut.cancelled():
+                fut.exception()  # retrieved, so asyncio does not log it as forgotten
+            self.release(rid)
+
+        added = self.loop.run_in_executor(None, add)
         try:
-            await self.loop.run_in_executor(None, add)
-            self.wakeup.set()
-            while True:
-                out = await queue.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self.queues.pop(rid, None)
+            await asyncio.shield(added)
+        except asyncio.CancelledError:
+            # The client left while the add was running in its thread: once it is done, undo it.
+            added.add_done_callback(undo)
+            raise
+        self.wakeup.set()
+        return rid
+
+    async def outputs(self, rid: str):
+        """Yield the request's RequestOutputs until it finishes; raise RequestFailed if it fails."""
+        queue = self.queues[rid]
+        while True:
+            out = await queue.get()
+            if isinstance(out, RequestFailed):
+                raise out
+            if any(o.finish_reason == "error" for o in out.outputs):  # as vLLM's _raise_if_error
+                raise RequestFailed("the engine failed while running this request")
+            yield out
+            if out.finished:
+                return
+
+    def release(self, rid: str) -> None:
+        """Forget the request; abort it if it is still running (the client went away)."""
+        self.queues.pop(rid, None)
+        # Fast path without the lock (which may be held for a whole step): a request no longer
+        # in `parents` has finished or failed, and nothing can bring it back.
+        if rid in self.engine.parents:
             with self.lock:
                 if rid in self.engine.parents:
                     self.engine.abort_request(rid)
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
+TENANT_KEY = web.RequestKey("tenant", str)  # the tenant of the request's key (key mode)
 
 
-def bad_request(message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "BadRequestError",
-                                        "code": 400}}, status=400)
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuse (400) every field kvlab would otherwise silently not honour; name them all."""
+    supported = SUPPORTED_FIELDS[endpoint]
+    problems, first = [], None
+    for key, value in body.items():
+        if key in supported:
+            continue
+        if key in UNSUPPORTED_FIELDS:
+            noops = UNSUPPORTED_FIELDS[key]
+            n = body.get("n") if body.get("n") is not None else 1
+            if _is_noop(value, noops) or (key == "best_of" and _is_noop(value, (n,))):
+                continue
+            allowed = " or ".join(json.dumps(v) for v in noops)
+            if key == "best_of":
+                allowed += " or the same as n"
+            problems.append(f"'{key}' is not supported by kvlab (got {json.dumps(value)}): "
+                            f"leave it out or send {allowed}")
+        else:
+            # vLLM ignores an unknown field with a warning in its log; kvlab refuses it, because a
+            # workshop participant should see the typo, not a different answer.
+            close = difflib.get_close_matches(key, [*supported, *UNSUPPORTED_FIELDS], n=1)
+            hint = f": did you mean '{close[0]}'?" if close else ""
+            problems.append(f"unknown field '{key}' for {endpoint} (neither OpenAI's API nor "
+                            f"kvlab has it){hint}")
+        first = first or key
+    if problems:
+        raise bad_request("; ".join(problems), param=first)
 
 
-def sampling_params(body: dict) -> SamplingParams:
-    kwargs = {k: body[k] for k in SAMPLING_FIELDS if k in body and body[k] is not None}
+def _is_noop(value, noops: tuple) -> bool:
+    """Whether `value` is one of `noops`, minding that False == 0 in Python: `"logprobs": 0`
+    asks for logprobs, `"logprobs": false` does not."""
+    for noop in noops:
+        if noop is None or isinstance(noop, bool):
+            if value is noop:
+                return True
+        elif isinstance(noop, (int, float)):
+            if not isinstance(value, bool) and isinstance(value, (int, float)) and value == noop:
+                return True
+        elif value == noop:
+            return True
+    return False
+
+
+def sampling_params(body: dict, chat: bool, stream: bool) -> SamplingParams:
+    kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    if chat and body.get("max_completion_tokens") is not None:
+        kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", 16)
+    stop = kwargs.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+                          param="stop")
+    # As vLLM's serving layer: a stream wants only what is new at each step; a plain request
+    # wants one output at the end (no text decoded along the way unless stop strings need it).
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     return SamplingParams(**kwargs)
 
 
-def usage(out, prompt_tokens_details: bool) -> dict:
-    completion = sum(len(o.token_ids) for o in out.outputs)
-    prompt = len(out.prompt_token_ids)
-    counts = {"prompt_tokens": prompt, "completion_tokens": completion,
-              "total_tokens": prompt + completion}
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage), with vLLM's rules for stream_options."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be true or false", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    if options and not stream:
+        raise bad_request("'stream_options' can only be sent with \"stream\": true",
+                          param="stream_options")
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            raise bad_request(f"unknown field 'stream_options.{key}'", param="stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'stream_options.{key}' must be true or false",
+                              param="stream_options")
+    if options.get("continuous_usage_stats"):  # vLLM's extra: usage in every chunk
+        raise bad_request("'stream_options.continuous_usage_stats' is not supported by kvlab",
+                          param="stream_options")
+    # include_obfuscation (OpenAI) pads chunks against a side channel; kvlab never pads, and
+    # either value gets the same text, so it is accepted.
+    return stream, bool(options.get("include_usage"))
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          prompt_tokens_details: bool) -> dict:
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
     if prompt_tokens_details:  # vLLM reports cached tokens only when asked to
-        counts["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return counts
 
 
+def sse(payload) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def unauthorized(message: str) -> web.Response:
+    """A 401 in kvlab's (OpenAI's) error shape; vLLM's middleware answers `{"error":
+    "Unauthorized"}`. The message never quotes what the client sent."""
+    response = RequestFailed(message, 401, "AuthenticationError").response()
+    response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: the scheme the server expects
+    return response
+
+
+# Routes open without a key. /health is polled by load balancers and orchestrators, /metrics by a
+# Prometheus scraper, neither of which holds a tenant's key; both show only aggregate counts,
+# never a prompt, key or salt. vLLM leaves them open too (its middleware guards only paths under
+# /v1, /v2, /inference, /cohere). The aggregate prefix-cache counters do show *when* some tenant
+# hits its cache, so a real deployment keeps /metrics on an internal network. Every other path,
+# unknown ones included, needs a key: a default-deny list, judged on the route aiohttp matched
+# (not on the raw path string, which percent-encoding could disguise).
+OPEN_ROUTES = ("/health", "/metrics")
+
+
 def build_app(llm: LLM, model_name: str | None = None,
-              enable_prompt_tokens_details: bool = False) -> web.Application:
+              enable_prompt_tokens_details: bool = False,
+              api_keys: dict[str, str] | None = None,
+              salt_secret: bytes | None = None) -> web.Application:
+    """The server's aiohttp app. `api_keys` ({key: tenant}) turns on key mode, with the tenants'
+    salts derived from `salt_secret` (a random one when None: see `kvlab.tenants`)."""
+    if api_keys is None and salt_secret is not None:
+        raise ValueError("salt_secret is only used with api_keys (key mode)")
+    keys = TenantKeys(api_keys, salt_secret) if api_keys is not None else None
     engine = AsyncEngine(llm)
     name = model_name or llm.llm_engine.loaded.name
-    app = web.Application()
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler):
+        resource = request.match_info.route.resource
+        if resource is not None and resource.canonical in OPEN_ROUTES:
+            return await handler(request)
+        authorization = request.headers.get("Authorization")
+        tenant = keys.tenant_for(authorization)
+        if tenant is None:
+            # Logged without the header: the path and the peer only.
+            logger.warning("refused %s %s from %s: %s API key", request.method,
+                           resource.canonical if resource is not None else "(no route)",
+                           request.remote, "no" if not authorization else "an invalid")
+            return unauthorized(
+                "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+                if not authorization else "the API key is not valid")
+        request[TENANT_KEY] = tenant
+        return await handler(request)
+
+    app = web.Application(middlewares=[authenticate] if keys is not None else [])
+    if keys is not None:
+        logger.info("key mode: %d API keys for %d tenants; salt secret %s", keys.num_keys,
+                    keys.num_tenants, "given" if keys.secret_source == "given" else
+                    "random (salts, and so cached prefixes, do not survive a restart)")
 
     async def on_startup(app):
         engine.start(asyncio.get_running_loop())
@@ -147,6 +484,7 @@ def build_app(llm: LLM, model_name: str | None = None,
     async def serve(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await read_body(request)
+            check_fields(body, request.path)
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
@@ -160,60 +498,84 @@ def build_app(llm: LLM, model_name: str | None = None,
                     prompt = {"prompt_token_ids": text}
                 else:
                     raise ValueError("'prompt' must be a string or a list of token ids")
-            if "cache_salt" in body:
+            if keys is not None:
+                if body.get("cache_salt") is not None:
+                    # The value is not quoted back: it may be someone else's salt.
+                    raise bad_request(
+                        "'cache_salt' cannot be sent to this server: it assigns each API key's "
+                        "tenant its own salt (leave the field out)", param="cache_salt")
+                prompt["cache_salt"] = keys.salt_for(request[TENANT_KEY])
+            elif body.get("cache_salt") is not None:
                 prompt["cache_salt"] = body["cache_salt"]
-            params = sampling_params(body)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise ValueError("'stream' must be true or false")
-            gen = engine.generate(prompt, params)
-            first = await gen.__anext__()  # bad input surfaces here, before any byte is sent
+            stream, include_usage = stream_flags(body)
+            params = sampling_params(body, chat, stream)
+            rid = await engine.add_request(prompt, params)  # bad input surfaces here
         except (ValueError, TypeError, jinja_errors()) as e:
-            return bad_request(str(e))
-        created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        if not stream:
-            out = first
-            async for out in gen:
+            return bad_request(str(e)).response()
+        except RequestFailed as e:
+            return e.response()
+        try:
+            if stream:
+                return await stream_response(request, rid, chat, include_usage)
+            return await full_response(rid, chat)
+        finally:
+            engine.release(rid)  # aborts the request if the client went away
+
+    async def full_response(rid: str, chat: bool) -> web.Response:
+        out = None
+        try:
+            async for out in engine.outputs(rid):  # FINAL_ONLY: one output, when it is done
                 pass
-            choices = [
-                {"index": o.index, "finish_reason": o.finish_reason, "logprobs": None,
-                 **({"message": {"role": "assistant", "content": o.text}} if chat
-                    else {"text": o.text})}
-                for o in out.outputs
-            ]
-            return web.json_response({"id": out.request_id, "object": kind, "created": created,
-                                      "model": name, "choices": choices,
-                                      "usage": usage(out, enable_prompt_tokens_details)})
+        except RequestFailed as e:
+            return e.response()
+        choices = [
+            {"index": o.index, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+             "logprobs": None,
+             **({"message": {"role": "assistant", "content": o.text}} if chat
+                else {"text": o.text})}
+            for o in out.outputs
+        ]
+        completion = sum(len(o.token_ids) for o in out.outputs)
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": name, "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), completion, out.num_cached_tokens,
+                           enable_prompt_tokens_details)})
+
+    async def stream_response(request: web.Request, rid: str, chat: bool,
+                              include_usage: bool) -> web.StreamResponse:
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        sent = {}
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        out = first
+        tokens: dict[int, int] = {}  # per choice index, for usage
+        finished: set[int] = set()
+        out = None
         try:
-            while True:
+            # DELTA: each output holds only the completions that changed in this step, each with
+            # only its new text and token ids.
+            async for out in engine.outputs(rid):
                 for o in out.outputs:
-                    delta = o.text[len(sent.get(o.index, "")):]
-                    sent[o.index] = o.text
-                    if not delta and o.finish_reason is None:
-                        continue
-                    piece = {"delta": {"content": delta}} if chat else {"text": delta}
-                    chunk = {"id": out.request_id, "object": kind + (".chunk" if chat else ""),
-                             "created": created, "model": name,
-                             "choices": [{"index": o.index, "finish_reason": o.finish_reason,
-                                          **piece}]}
-                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                if out.finished:
-                    break
-                out = await gen.__anext__()
+                    tokens[o.index] = tokens.get(o.index, 0) + len(o.token_ids)
+                    if o.index in finished or (not o.text and o.finish_reason is None):
+                        continue  # e.g. a partial stop string or character held back
+                    if o.finish_reason is not None:
+                        finished.add(o.index)  # each choice's finish_reason is sent once
+                    piece = {"delta": {"content": o.text}} if chat else {"text": o.text}
+                    await resp.write(sse({
+                        "id": rid, "object": kind, "created": created, "model": name,
+                        "choices": [{"index": o.index, "finish_reason": o.finish_reason,
+                                     "stop_reason": o.stop_reason, **piece}]}))
             if include_usage:
-                chunk = {"id": out.request_id, "object": kind, "created": created, "model": name,
-                         "choices": [], "usage": usage(out, enable_prompt_tokens_details)}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-        finally:
-            await gen.aclose()  # aborts the request if the client went away mid-stream
+                await resp.write(sse({
+                    "id": rid, "object": kind, "created": created, "model": name, "choices": [],
+                    "usage": usage(len(out.prompt_token_ids), sum(tokens.values()),
+                                   out.num_cached_tokens, enable_prompt_tokens_details)}))
+        except RequestFailed as e:
+            # The status line (200) is long gone: the error travels as an event, as in vLLM.
+            await resp.write(sse(e.body()))
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def metrics(request: web.Request) -> web.Response:
@@ -222,6 +584,12 @@ def build_app(llm: LLM, model_name: str | None = None,
         for key, kind, help_text in (
             ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
+            # vLLM counts re-admitted preempted requests apart: finding their own blocks again
+            # is not prefix sharing, and would flatter the hit rate.
+            ("prefix_cache_preempted_queries", "counter",
+             "Prompt tokens looked up in the prefix cache by re-admitted preempted requests"),
+            ("prefix_cache_preempted_hits", "counter",
+             "Prompt tokens found in the prefix cache by re-admitted preempted requests"),
             ("num_preemptions", "counter", "Requests preempted for lack of KV blocks"),
             ("num_running", "gauge", "Requests running"),
             ("num_waiting", "gauge", "Requests waiting"),
@@ -237,7 +605,11 @@ def build_app(llm: LLM, model_name: str | None = None,
         return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
 
     async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        # As vLLM's /health: 200 while the engine can serve, 503 once it cannot.
+        if engine.is_alive():
+            return web.Response(text="ok")
+        reason = engine.dead_reason or "the engine loop thread is not running"
+        return RequestFailed(reason, 503, "ServiceUnavailableError").response()
 
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -270,7 +642,8 @@ class BackgroundServer:
 
     def __init__(self, llm: LLM, port: int = 0, **app_kwargs) -> None:
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(build_app(llm, **app_kwargs), handler_cancellation=True)
+        self.app = build_app(llm, **app_kwargs)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True)
         started = threading.Event()
         failed: list[BaseException] = []
 
@@ -294,6 +667,11 @@ class BackgroundServer:
             raise failed[0]
         host, self.port = self.runner.addresses[0][:2]  # port 0: the OS picked a free one
         self.url = f"http://{host}:{self.port}"
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The worker that steps the engine (for tests and notebooks: `.is_alive()`)."""
+        return self.app[ENGINE_KEY]
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
+from kvlab.kv_cache import ContiguousKVCacheManager
 from kvlab.sim import SimResult, block_table_entries, internal_waste
 
 GIB = 2**30
@@ -40,26 +41,65 @@ def plot_kv_memory(bytes_per_token: int, seq_lens, batch_sizes, budget_bytes: fl
 
 
 def _colour(i: int):
-    return plt.get_cmap("tab10")(i % 10)
+    """Twenty distinct colours: tab10's ten (tab20's dark halves), then their light halves, so
+    the first ten are tab10's and requests 11-20 do not repeat them (chapter 01 shows 16)."""
+    return plt.get_cmap("tab20")((2 * i + (i // 10) % 2) % 20)
+
+
+def memory_map(manager, num_tokens: dict[str, int]) -> list[tuple[str | None, int]]:
+    """For each physical block of a KV-cache manager, in address order: (owner request id or
+    None, slots filled). A bookkeeping reading for the pictures, kept outside the engine.
+
+    `num_tokens` gives each request's tokens in the cache; a block past them is held but
+    empty (reservation), and the unfilled part of a request's last block is internal waste.
+    """
+    bs = manager.block_size
+    owner: list[tuple[str | None, int]] = [(None, 0)] * manager.num_blocks
+    for rid, blocks in manager.req_to_blocks.items():
+        n = num_tokens.get(rid, 0)
+        for i, blk in enumerate(blocks):
+            owner[blk.block_id] = (rid, max(0, min(bs, n - i * bs)))
+    return owner
+
+
+def usable_free_slots(manager) -> int:
+    """Free slots someone could still be given. Paged: all of them. Contiguous: only those in
+    gaps large enough for a whole max-length region; the rest is external fragmentation."""
+    free = [blk.ref_cnt == 0 for blk in manager.block_pool.blocks]
+    if not isinstance(manager, ContiguousKVCacheManager):
+        return sum(free) * manager.block_size
+    region = manager.num_blocks_for(manager.max_model_len)
+    usable, run = 0, 0
+    for is_free in free + [False]:  # the sentinel closes the last run
+        if is_free:
+            run += 1
+        else:
+            usable += (run // region) * region
+            run = 0
+    return usable * manager.block_size
 
 
 def draw_memory_map(memory_map: list[tuple[str | None, int]], block_size: int, title: str,
-                    ax=None, columns: int = 32):
-    """The physical pool as a grid of blocks: colour = owner, solid = slots holding tokens,
-    pale = slots reserved but empty, white = free. `memory_map` comes from
-    `KVCacheManager.memory_map`."""
+                    ax=None, columns: int = 32, state_legend: bool = True):
+    """The physical pool as a grid of blocks, one square per block: colour = owner (up to 20
+    distinct), solid = slots holding tokens, pale and hatched = slots held but empty (reserved
+    for tokens not yet produced; internal waste if the request ends before filling them),
+    white = free. `memory_map` comes from `viz.memory_map`. A legend on the right names the
+    requests; with `state_legend`, one below the grid names the three states (pass False on all
+    but the last of several stacked maps)."""
     owners = [o for o, _ in memory_map if o is not None]
     order = list(dict.fromkeys(owners))
     rows = -(-len(memory_map) // columns)
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.28 * rows + 0.9))
+        _, ax = plt.subplots(figsize=(7, 0.28 * rows + 1.3))
     for b, (owner, filled) in enumerate(memory_map):
         x, y = b % columns, rows - 1 - b // columns
         if owner is None:
-            ax.add_patch(Rectangle((x, y), 0.92, 0.92, fc="white", ec="0.8", lw=0.5))
+            ax.add_patch(Rectangle((x, y), 0.92, 0.92, fc="white", ec="0.75", lw=0.5))
             continue
         c = _colour(order.index(owner))
-        ax.add_patch(Rectangle((x, y), 0.92, 0.92, fc=c, alpha=0.25, ec="0.6", lw=0.5))
+        ax.add_patch(Rectangle((x, y), 0.92, 0.92, fc=(*c[:3], 0.3), ec=c, hatch="////",
+                               lw=0.5))
         ax.add_patch(Rectangle((x, y), 0.92 * filled / block_size, 0.92, fc=c, ec="none"))
     ax.set_xlim(0, columns)
     ax.set_ylim(0, rows)
@@ -70,9 +110,21 @@ def draw_memory_map(memory_map: list[tuple[str | None, int]], block_size: int, t
     total = len(memory_map) * block_size
     ax.set_title(f"{title}: {len(order)} requests, {used:,} tokens in {held:,} held slots "
                  f"of {total:,}", fontsize=9)
-    handles = [Patch(fc=_colour(i), label=str(o)) for i, o in enumerate(order[:10])]
+    if state_legend:
+        grey = (0.35, 0.35, 0.35)
+        states = [Patch(fc=grey, label="holding tokens"),
+                  Patch(fc=(*grey, 0.3), ec=grey, hatch="////",
+                        label="held, empty (reserved; internal waste if never filled)"),
+                  Patch(fc="white", ec="0.75", label="free")]
+        legend = ax.legend(handles=states, fontsize=7, loc="upper center",
+                           bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False, handlelength=1.5)
+        ax.add_artist(legend)
+        legend.set_clip_on(False)  # else a saved figure's tight bounding box leaves it out
+    handles = [Patch(fc=_colour(i), label=str(o)) for i, o in enumerate(order)]
     if handles:
-        ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  ncol=1 + (len(handles) > 8), handlelength=1, columnspacing=0.6,
+                  borderaxespad=0.2)
     return ax
 
 
@@ -137,10 +189,14 @@ def plot_block_size_tradeoff(lengths: list[int], block_size: int,
 
 
 def plot_blocks_per_step(series: dict[str, list[int]], title: str = "KV blocks in use"):
-    """Blocks in use after each engine step, one line per run."""
+    """Blocks in use after each engine step, one line per run; each run has its own colour,
+    marker and line style, so runs that coincide for a while stay told apart."""
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    for label, blocks in series.items():
-        ax.plot(range(1, len(blocks) + 1), blocks, label=f"{label} (peak {max(blocks, default=0)})")
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
+    for i, (label, blocks) in enumerate(series.items()):
+        marker, ls = styles[i % len(styles)]
+        ax.plot(range(1, len(blocks) + 1), blocks, marker=marker, ls=ls, ms=4, color=_colour(i),
+                drawstyle="steps-post", label=f"{label} (peak {max(blocks, default=0)})")
     ax.set_xlabel("step")
     ax.set_ylabel("blocks in use")
     ax.set_title(title, fontsize=9)
@@ -151,20 +207,66 @@ def plot_blocks_per_step(series: dict[str, list[int]], title: str = "KV blocks i
 
 
 def plot_cow_savings(rows: list[dict]):
-    """Share of peak KV memory saved by block sharing, against n or beam width."""
+    """Share of peak KV memory saved by block sharing, against n or beam width. Colour = prompt
+    length; beam search = solid line, large hollow circles; sampling = dashed line, small filled
+    squares. Where two series are equal the square sits inside the circle, and the legend says
+    "same as ..."."""
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     keys = sorted({(r["kind"], r["prompt_len"]) for r in rows})
+    lens = sorted({L for _, L in keys})
+    drawn: dict[tuple, str] = {}
     for kind, prompt_len in keys:
-        pts = sorted((r["k"], r["saved"]) for r in rows
-                     if r["kind"] == kind and r["prompt_len"] == prompt_len)
-        ax.plot([k for k, _ in pts], [100 * v for _, v in pts], "o-" if kind == "beam" else "s--",
-                label=f"{kind}, prompt {prompt_len}")
+        pts = tuple(sorted((r["k"], r["saved"]) for r in rows
+                           if r["kind"] == kind and r["prompt_len"] == prompt_len))
+        label = f"{kind}, prompt {prompt_len}"
+        same = f" (same as {drawn[pts]})" if pts in drawn else ""
+        drawn.setdefault(pts, label)
+        c = _colour(lens.index(prompt_len))
+        style = (dict(ls="-", marker="o", ms=9, mfc="none", mew=1.5) if kind == "beam" else
+                 dict(ls="--", marker="s", ms=4))
+        ax.plot([k for k, _ in pts], [100 * v for _, v in pts], color=c, label=label + same,
+                **style)
+    ks = sorted({r["k"] for r in rows})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_xlabel("n (sampling) or beam width")
     ax.set_ylabel("peak KV memory saved (%)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_parallel_sampling(rows: list[dict]):
+    """Chapter 02: the paper's fork against vLLM v1's child requests against no sharing, from
+    `bench.cow.parallel_sampling_table` rows. One row of panels per prompt length; left the peak
+    KV blocks held, right the prompt tokens computed; one group of bars per n, one bar per mode
+    (its own colour and hatch), each bar labelled with its value."""
+    lens = sorted({r["prompt_len"] for r in rows})
+    ns = sorted({r["n"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by = {(r["prompt_len"], r["n"], r["mode"]): r for r in rows}
+    hatches = ["", "///", ".."]
+    fig, axes = plt.subplots(len(lens), 2, figsize=(9, 2.6 * len(lens) + 0.6), squeeze=False)
+    width = 0.8 / len(modes)
+    for row, prompt_len in enumerate(lens):
+        for col, (key, ylabel) in enumerate((("peak_blocks", "peak KV blocks held"),
+                                             ("prompt_tokens_computed", "prompt tokens computed"))):
+            ax = axes[row][col]
+            for m, mode in enumerate(modes):
+                xs = [i + (m - (len(modes) - 1) / 2) * width for i in range(len(ns))]
+                vals = [by[(prompt_len, n, mode)][key] for n in ns]
+                bars = ax.bar(xs, vals, width, color=_colour(m), hatch=hatches[m % 3],
+                              ec="white", lw=0.5, label=mode)
+                ax.bar_label(bars, fontsize=6, padding=1)
+            ax.set_xticks(range(len(ns)), [f"n={n}" for n in ns])
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.set_title(f"prompt {prompt_len} tokens", fontsize=9)
+            ax.margins(y=0.15)
+            ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
@@ -241,11 +343,17 @@ def plot_stall(runs: list):
     for i, run in enumerate(runs):
         t = run.decode_times
         label = "no chunking" if run.budget is None else f"budget {run.budget}"
-        ax.plot([b for b in t[1:]], [1000 * (b - a) for a, b in zip(t, t[1:])], "o-", ms=3,
-                color=_colour(i), label=f"{label}: max gap {1000 * run.max_gap:.0f} ms")
+        gaps = [1000 * (b - a) for a, b in zip(t, t[1:])]
+        if not gaps:
+            continue
+        # A gap lasts from one token to the next: draw it as a flat step over that interval
+        # (a line from dot to dot would draw one long gap as a ramp that starts a token early).
+        ax.plot(t, gaps + gaps[-1:], drawstyle="steps-post", lw=1.2, color=_colour(i),
+                label=f"{label}: max gap {1000 * run.max_gap:.0f} ms")
+        ax.plot(t[1:], gaps, "o", ms=3, color=_colour(i))  # a dot where each token arrived
         ax.axvline(run.insert_time, color=_colour(i), ls=":", lw=1)
     ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
-    ax.set_ylabel("gap before this token (ms)")
+    ax.set_ylabel("gap since the previous token (ms)")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -325,6 +433,126 @@ def plot_ttft_attack(result: dict, ax=None):
     ax.set_title(f"{salted}: B guesses right {result['accuracy']:.0%} of the time", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_cold_warm_ttft(runs: list[dict], ax=None):
+    """First (cold) against later (warm) TTFT, one pair of bars per `cold_warm_ttft` run
+    (caching on, caching off), each labelled with its median; the warm bar's whisker spans
+    the warm requests' range. Log scale: a hit is an order of magnitude faster."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 3.4))
+    width = 0.38
+    for i, run in enumerate(runs):
+        lo, hi = run["warm_ttft_ms_range"]
+        warm = run["warm_ttft_ms"]
+        for dx, value, colour, label, err in (
+                (-width / 2, run["cold_ttft_ms"], "tab:red", "first request (cold)", None),
+                (width / 2, warm, "tab:blue", "later requests (median)",
+                 [[warm - lo], [hi - warm]])):
+            ax.bar(i + dx, value, width, color=colour, yerr=err, capsize=3,
+                   label=label if i == 0 else None)
+            top = value if err is None else max(value, hi)  # above the whisker, if any
+            ax.text(i + dx, top * 1.12, f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(runs)), [
+        f"{'caching on' if r['enable_prefix_caching'] else 'caching off'}\n"
+        f"first / later = {r['speedup']:g}x" for r in runs])
+    ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the labels
+    ax.set_ylabel("TTFT (ms)")
+    first = runs[0]
+    ax.set_title(f"{first['prefix_len']:,}-token shared prefix + {first['tail_len']}-token "
+                 "tails", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(alpha=0.3, axis="y")
+    return ax
+
+
+def plot_prefix_hits(cached_tokens: list[int], prompt_lens, ax=None):
+    """Requests behind a shared system prompt, in arrival order: each prompt's tokens found in
+    the cache and computed, stacked, and the running hit rate (all hits / all prompt tokens so
+    far, the ratio of vLLM's two counters) on the right axis."""
+    n = len(cached_tokens)
+    lens = [prompt_lens] * n if isinstance(prompt_lens, int) else list(prompt_lens)
+    if len(lens) != n:
+        raise ValueError(f"{len(lens)} prompt lengths for {n} requests")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 3.2))
+    xs = range(1, n + 1)
+    computed = [total - hit for total, hit in zip(lens, cached_tokens)]
+    ax.bar(xs, cached_tokens, color="tab:green", label="found in the cache")
+    ax.bar(xs, computed, bottom=cached_tokens, color="0.7", label="computed")
+    ax.set_xlabel("request (arrival order)")
+    ax.set_ylabel("prompt tokens")
+    ax.set_xticks(list(xs))
+    rate, hits, total = [], 0, 0
+    for hit, length in zip(cached_tokens, lens):
+        hits, total = hits + hit, total + length
+        rate.append(100 * hits / total)
+    ax2 = ax.twinx()
+    ax2.plot(xs, rate, "o-", color="k", ms=4, label="hit rate so far")
+    # Headroom above the bars and the line for the legend.
+    ax.set_ylim(0, 1.35 * max(lens))
+    ax2.set_ylim(0, 135)
+    ax2.set_yticks([0, 25, 50, 75, 100])
+    ax2.set_ylabel("hit rate so far (%)")
+    ax.set_title(f"hit rate after {n} requests: {rate[-1]:.1f}%", fontsize=9)
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", ncol=3)
+    return ax
+
+
+def free_queue_snapshot(block_pool, label: str, names: dict | None = None) -> dict:
+    """A reading of a `BlockPool` for `draw_free_queue`: the free queue's block ids, head (the
+    next to be evicted) first; the blocks in use; and, for every block still holding a prefix
+    key, a short name (`names` maps a key to it, e.g. {key: "a0"}; others read "key")."""
+    names = names or {}
+    return {"label": label,
+            "queue": list(block_pool.free_queue),
+            "in_use": [blk.block_id for blk in block_pool.blocks if blk.ref_cnt > 0],
+            "keys": {blk.block_id: names.get(blk.block_hash, "key")
+                     for blk in block_pool.blocks if blk.block_hash is not None}}
+
+
+def draw_free_queue(snapshots: list[dict], ax=None):
+    """The free queue at each moment, one row per `free_queue_snapshot`, head on the left: the
+    next block handed out is the leftmost. A block still findable by its prefix key is coloured
+    and named (same prefix, same colour); an empty one is white. Blocks in use stand apart on
+    the right, in grey."""
+    owners = list(dict.fromkeys(name[:1] for s in snapshots for name in s["keys"].values()))
+    width = max(len(s["queue"]) for s in snapshots)
+    gap = 1.2
+    if ax is None:
+        total = width + gap + max(len(s["in_use"]) for s in snapshots)
+        _, ax = plt.subplots(figsize=(1.0 + 0.62 * total + 2.2, 0.62 * len(snapshots) + 0.9))
+    for row, snap in enumerate(snapshots):
+        y = len(snapshots) - 1 - row
+        for x, block_id in enumerate(snap["queue"]):
+            name = snap["keys"].get(block_id)
+            colour = "white" if name is None else _colour(owners.index(name[:1]))
+            ax.add_patch(Rectangle((x, y + 0.1), 0.9, 0.8, fc=colour,
+                                   alpha=1 if name is None else 0.45, ec="0.3", lw=0.8))
+            ax.text(x + 0.45, y + 0.5, str(block_id) if name is None else f"{block_id}\n{name}",
+                    ha="center", va="center", fontsize=7)
+        for k, block_id in enumerate(snap["in_use"]):
+            x = width + gap + k
+            ax.add_patch(Rectangle((x, y + 0.1), 0.9, 0.8, fc="0.75", ec="0.3", lw=0.8))
+            name = snap["keys"].get(block_id)
+            ax.text(x + 0.45, y + 0.5, str(block_id) if name is None else f"{block_id}\n{name}",
+                    ha="center", va="center", fontsize=7)
+        ax.text(-0.3, y + 0.5, snap["label"], ha="right", va="center", fontsize=8)
+    top = len(snapshots)
+    ax.annotate("head: evicted first", xy=(0.2, top + 0.05), xytext=(0.2, top + 0.45),
+                fontsize=7, arrowprops={"arrowstyle": "->", "lw": 0.8})
+    ax.text(width - 0.1, top + 0.25, "tail", ha="right", fontsize=7)
+    ax.text(width + gap, top + 0.25, "in use", fontsize=7)
+    ax.set_xlim(-0.2, width + gap + max(len(s["in_use"]) for s in snapshots) + 0.2)
+    ax.set_ylim(0, top + 0.8)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("free queue, step by step (number: block id; name: the prefix block it still "
+                 "holds)", fontsize=9)
     return ax
 
 

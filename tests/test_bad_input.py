@@ -56,7 +56,7 @@ def test_bad_engine_knobs(kwargs, error, words):
         (dict(top_p=1.5), ValueError, "top_p"),
         (dict(top_k=-2), ValueError, "top_k"),
         (dict(n=0), ValueError, "n must"),
-        (dict(seed=-3), ValueError, "seed"),
+        (dict(seed=2**63), ValueError, "seed"),
         (dict(ignore_eos=1), TypeError, "ignore_eos"),
         (dict(stop_token_ids=[1, "2"]), TypeError, "stop_token_ids"),
         (dict(stop_token_ids=5), TypeError, "stop_token_ids"),

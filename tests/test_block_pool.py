@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.block_pool import BlockPool
-from kvlab.kv_cache import KVCacheManager
+from kvlab import viz
+from kvlab.kv_cache import ContiguousKVCacheManager, KVCacheManager
 
 
 def test_allocate_and_free_round_trip():
@@ -59,7 +60,7 @@ def test_contiguous_first_fit_and_external_fragmentation():
 
 
 def test_manager_paged_grows_one_block_at_a_time():
-    m = KVCacheManager(num_blocks=10, block_size=4, kv_layout="paged", max_model_len=40)
+    m = KVCacheManager(num_blocks=10, block_size=4, max_model_len=40)
     assert m.allocate_slots("a", 5)
     assert len(m.get_block_ids("a")) == 2
     assert m.allocate_slots("a", 8)  # still two blocks
@@ -73,13 +74,13 @@ def test_manager_paged_grows_one_block_at_a_time():
 
 
 def test_manager_contiguous_reserves_max_model_len():
-    m = KVCacheManager(num_blocks=10, block_size=4, kv_layout="contiguous", max_model_len=16)
+    m = ContiguousKVCacheManager(num_blocks=10, block_size=4, max_model_len=16)
     assert m.allocate_slots("a", 1)
     assert m.get_block_ids("a") == [0, 1, 2, 3]  # 16 tokens reserved for a 1-token request
     assert m.allocate_slots("b", 1)
     assert not m.allocate_slots("c", 1)  # 2 blocks left, a region needs 4
-    assert m.usable_free_slots() == 0  # 8 free slots, but in a gap too small for a region
-    mm = m.memory_map({"a": 5, "b": 1})
+    assert viz.usable_free_slots(m) == 0  # 8 free slots, but in a gap too small for a region
+    mm = viz.memory_map(m, {"a": 5, "b": 1})
     assert mm[:4] == [("a", 4), ("a", 1), ("a", 0), ("a", 0)]
     assert mm[8:] == [(None, 0), (None, 0)]
 

@@ -11,7 +11,7 @@ from kvlab.kv_cache import KVCacheManager
 
 
 def test_fork_shares_every_block_and_cow_copies_the_partial_one():
-    m = KVCacheManager(num_blocks=8, block_size=4, kv_layout="paged", max_model_len=32)
+    m = KVCacheManager(num_blocks=8, block_size=4, max_model_len=32)
     assert m.allocate_slots("p", 6)  # blocks [0, 1], the second half full
     assert m.fork("p", "c")
     pool = m.block_pool
@@ -33,7 +33,7 @@ def test_fork_shares_every_block_and_cow_copies_the_partial_one():
 
 
 def test_cow_needs_a_free_block_and_takes_nothing_without_one():
-    m = KVCacheManager(num_blocks=2, block_size=4, kv_layout="paged", max_model_len=8)
+    m = KVCacheManager(num_blocks=2, block_size=4, max_model_len=8)
     assert m.allocate_slots("p", 6) and m.fork("p", "c")
     assert not m.allocate_slots("c", 7, num_computed_tokens=6)  # a copy needs a block: none
     assert m.get_block_ids("c") == [0, 1] and m.num_cow_copies == 0
@@ -112,9 +112,14 @@ def test_beam_search_bad_input_and_exhaustion(text_ids):
     with pytest.raises(ValueError, match="needs at least"):
         small.beam_search(prompt, BeamSearchParams(beam_width=12, max_tokens=4))
     assert_no_blocks_held(small)
-    # Fits at the start, runs out mid-way: a clear error, and every block comes back.
-    with pytest.raises(RuntimeError, match="ran out of KV blocks"):
-        small.beam_search(prompt, BeamSearchParams(beam_width=8, max_tokens=40, ignore_eos=True))
+    # Fits at the start, not once the beams diverge: beams are preempted and recomputed like
+    # any request (an idle beam gives way to the one its search waits for), and the result is
+    # the roomy pool's.
+    bp = BeamSearchParams(beam_width=8, max_tokens=16, ignore_eos=True)
+    got = small.beam_search(prompt, bp)[0].sequences
+    assert small.stats()["num_preemptions"] > 0
+    roomy = LLM(block_size=4, max_model_len=64, kv_cache_tokens=1024)
+    assert [s.tokens for s in got] == [s.tokens for s in roomy.beam_search(prompt, bp)[0].sequences]
     assert_no_blocks_held(small)
     assert small.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=4))[0].sequences
 
@@ -128,3 +133,22 @@ def test_samples_under_memory_pressure_are_preempted_not_changed(text_ids):
     assert tight.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.outputs]
     assert_no_blocks_held(tight)
+
+
+def test_vllm_v1_child_requests_share_full_blocks_through_the_prefix_cache():
+    """parallel_sampling="child_requests" (vLLM v1): n requests, full prompt blocks shared
+    through the prefix cache in the same step, the partial last block computed by each; the
+    samples equal the fork's and the unshared run's, token for token."""
+    from kvlab.bench.cow import parallel_sampling_table
+
+    rows = {r["mode"]: r for r in parallel_sampling_table(prompt_lens=(40,), ns=(3,),
+                                                          max_tokens=6, block_size=16,
+                                                          progress=False)}
+    fork, v1, unshared = rows.values()
+    assert all(r["identical_to_unshared"] and r["leaked_blocks"] == 0 for r in rows.values())
+    assert fork["prompt_tokens_computed"] == 40  # the prompt once
+    assert v1["prompt_tokens_computed"] == 40 + 2 * 8  # + each child's partial last block
+    assert unshared["prompt_tokens_computed"] == 3 * 40
+    assert fork["peak_blocks"] <= v1["peak_blocks"] < unshared["peak_blocks"]
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        LLM(parallel_sampling="fan_out")

@@ -48,7 +48,7 @@ def test_flex_attention_with_chunks_prefix_hits_and_preemption(text_ids, hf_gree
     chunked prompts, shared cached blocks and recomputed preempted requests all go through it."""
     system = text_ids[:48]
     prompts = [system + text_ids[60 + 7 * i : 60 + 7 * i + 10 + 5 * i] for i in range(4)]
-    llm = LLM(backend="flex", block_size=8, max_model_len=128, kv_cache_tokens=192,
+    llm = LLM(backend="flex", block_size=8, max_model_len=128, kv_cache_tokens=136,
               max_num_batched_tokens=32, enable_prefix_caching=True)
     for _ in range(2):  # the second pass hits the cached system prompt
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -95,21 +95,22 @@ def test_logits_match_transformers_within_tolerance(loaded, text_ids, backend, t
     other CPUs."""
     import torch
 
-    from kvlab.attention import AttentionMetadata
-    from kvlab.flex_attention import flex_block_mask
+    from kvlab.attention import get_attention_backend
+    from kvlab.attention_metadata import CommonAttentionMetadata
     from kvlab.model import Transformer
 
     prompt = text_ids[:40]
     with torch.inference_mode():
         ref = loaded.hf_model(torch.tensor([prompt])).logits[0].float()  # (T, V)
-    model = Transformer(loaded, fast=backend != "reference")
+    model = Transformer(loaded, fast=backend != "reference",
+                        attn_backend=get_attention_backend(backend))
     kv = torch.zeros((model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim))
     # Blocks out of order, with an unused one in the pool: the mask must follow the table.
     table = torch.tensor([2, 0, 3])
-    meta = AttentionMetadata(slot_mapping=(table[:, None] * 16 + torch.arange(16)).flatten()[:40],
-                             query_start_loc=[0, 40], seq_lens=[40], block_tables=[table])
-    if backend == "flex":
-        meta.flex_block_mask = flex_block_mask([[2, 0, 3]], [0, 40], [40], 4, 16, "cpu")
+    meta = model.attn_backend.build(CommonAttentionMetadata(
+        slot_mapping=(table[:, None] * 16 + torch.arange(16)).flatten()[:40],
+        query_start_loc=[0, 40], seq_lens=[40], block_table_ids=[[2, 0, 3]], block_size=16,
+        num_blocks=4, device=torch.device("cpu")))
     hidden = model.forward(torch.tensor(prompt), torch.arange(40), kv, meta)
     ours = model.compute_logits(hidden)
     diff = (ours - ref).abs().max().item()

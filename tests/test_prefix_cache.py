@@ -46,7 +46,7 @@ def admit(m: KVCacheManager, req: Request) -> int:
 
 
 def test_lookup_hits_full_blocks_only_and_never_the_last_token():
-    m = KVCacheManager(16, 4, "paged", 64, enable_prefix_caching=True)
+    m = KVCacheManager(16, 4, 64, enable_prefix_caching=True)
     first = make_request("a", range(10))  # blocks [0-3], [4-7], [8, 9]: two are full
     assert admit(m, first) == 0
     m.free("a")
@@ -58,7 +58,7 @@ def test_lookup_hits_full_blocks_only_and_never_the_last_token():
 
 
 def test_freed_blocks_keep_their_keys_and_evict_tail_first():
-    m = KVCacheManager(4, 2, "paged", 16, enable_prefix_caching=True)
+    m = KVCacheManager(4, 2, 16, enable_prefix_caching=True)
     req = make_request("a", range(8))  # four full blocks: the whole pool
     admit(m, req)
     m.free("a")
@@ -76,7 +76,7 @@ def test_freed_blocks_keep_their_keys_and_evict_tail_first():
 
 def test_hits_are_taken_before_new_blocks_are_popped():
     # 3 blocks. "a" fills and frees two cached blocks; they are the only free ones besides one.
-    m = KVCacheManager(3, 2, "paged", 16, enable_prefix_caching=True)
+    m = KVCacheManager(3, 2, 16, enable_prefix_caching=True)
     admit(m, make_request("a", [1, 2, 3, 4]))
     m.free("a")
     pool = m.block_pool
@@ -101,7 +101,7 @@ def test_hits_are_taken_before_new_blocks_are_popped():
                     min_size=1, max_size=40),
        block_size=st.sampled_from([1, 2, 4]))
 def test_no_cross_salt_hit_and_hits_hold_the_same_tokens(ops, block_size):
-    m = KVCacheManager(12, block_size, "paged", 64, enable_prefix_caching=True)
+    m = KVCacheManager(12, block_size, 64, enable_prefix_caching=True)
     # What each keyed block holds: block id -> (its key, salt, every token up to its end).
     content: dict[int, tuple] = {}
     live = []

@@ -66,3 +66,25 @@ def test_gpu_check_script_runs_its_checks_here(loaded, text_ids):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.machine("cpu")["device"] == "cpu"
     assert gpu_check.flex_logit_diff(loaded, text_ids[:40]) < 1e-3
+
+
+def test_gpu_check_parts_fail_alone(tmp_path, monkeypatch):
+    """One broken part records its error; every other part still runs and is reported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check",
+                                                  ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(gpu_check, "token_check", broken)
+    monkeypatch.setattr(gpu_check, "flex_logit_diff", lambda *a, **k: 0.0)
+    monkeypatch.setattr(gpu_check, "speed_check", lambda *a, **k: {"auto": {}})
+    seen = {}
+    parts = gpu_check.run_parts("cpu", True, tmp_path, lambda k, v: seen.__setitem__(k, v))
+    assert "no kernel image" in parts["tokens_float32"]["error"]
+    assert parts["machine"]["device"] == "cpu" and parts["speed"] == {"auto": {}}
+    assert parts["flex_vs_reference_max_logit_diff"] == 0.0 and "wall_s" in seen

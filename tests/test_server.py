@@ -1,5 +1,6 @@
 """`kvlab serve` on loopback: OpenAI-compatible completions and chat, streaming, cache_salt and
-cached_tokens, /metrics, 4xx for bad requests, abort on disconnect, and the benchmark client."""
+cached_tokens, /metrics, 4xx for bad requests, abort on disconnect, and the benchmark client;
+stop strings, refused and unknown fields, and an engine loop that survives a failing step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from kvlab import LLM, SamplingParams
 from kvlab.bench.client import run_benchmark
-from kvlab.server import BackgroundServer
+from kvlab.server import SUPPORTED_FIELDS, UNSUPPORTED_FIELDS, BackgroundServer
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +23,13 @@ def server():
     background = BackgroundServer(llm, enable_prompt_tokens_details=True)
     yield background.url, llm
     background.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """A second engine for the expected answers: the server's engine is stepped by its own
+    thread, so it must never be driven by `generate` at the same time."""
+    return LLM(max_model_len=256, kv_cache_tokens=4096)
 
 
 def post(url: str, body, raw: bytes | None = None):
@@ -44,13 +52,13 @@ def wait_idle(llm, timeout=30):
     raise AssertionError(llm.stats())
 
 
-def test_completion_equals_offline_generate(server):
+def test_completion_equals_offline_generate(server, offline):
     base, llm = server
     status, text = post(base + "/v1/completions",
                         {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
     assert status == 200
     body = json.loads(text)
-    offline = LLM(max_model_len=256, kv_cache_tokens=4096).generate(
+    offline = offline.generate(
         "The capital of France is", SamplingParams(max_tokens=8, temperature=0))[0]
     assert body["choices"][0]["text"] == offline.outputs[0].text
     assert body["usage"]["completion_tokens"] == len(offline.outputs[0].token_ids)
@@ -181,3 +189,328 @@ def test_benchmark_client_against_kvlab_serve(server):
     assert all(r.ttft is not None and len(r.itls) >= 1 for r in res["results"])
     assert res["output_tok_s"] > 0
     wait_idle(llm)
+
+
+# ---- helpers for the tests below ----------------------------------------------------------------
+def get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def stream(url: str, body: dict):
+    """POST a streaming request; returns its events (parsed JSON), having checked the [DONE]."""
+    status, text = post(url, {**body, "stream": True})
+    assert status == 200, text
+    lines = text.split("\n\n")
+    assert lines[-2:] == ["data: [DONE]", ""]
+    return [json.loads(line[len("data: "):]) for line in lines[:-2]]
+
+
+def streamed_text(events, chat: bool, index: int = 0) -> str:
+    return "".join((c["delta"]["content"] if chat else c["text"])
+                   for e in events for c in e.get("choices", []) if c["index"] == index)
+
+
+def assert_all_blocks_free(llm):
+    s = wait_idle(llm)
+    assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def fail_model_call(monkeypatch, llm, on_call: int, exc=None):
+    """Make the model raise (once) on its `on_call`-th call from now; later calls run normally."""
+    runner = llm.llm_engine.model_runner
+    real, calls = runner.execute_model, []
+
+    def flaky(sched):
+        calls.append(sched)
+        if len(calls) == on_call:
+            raise exc or RuntimeError("injected failure inside the model")
+        return real(sched)
+
+    monkeypatch.setattr(runner, "execute_model", flaky)
+    return calls
+
+
+PARIS = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+
+def assert_serves_correctly(base, offline):
+    status, text = post(base + "/v1/completions", PARIS)
+    assert status == 200, text
+    expected = offline.generate(PARIS["prompt"], SamplingParams(max_tokens=8, temperature=0))
+    assert json.loads(text)["choices"][0]["text"] == expected[0].outputs[0].text
+    assert get(base + "/health")[0] == 200
+
+
+# ---- the engine loop never dies -----------------------------------------------------------------
+def test_failed_step_gets_500_and_the_server_goes_on(server, offline, monkeypatch):
+    base, llm = server
+    wait_idle(llm)
+    calls = fail_model_call(monkeypatch, llm, on_call=1)
+    status, text = post(base + "/v1/completions", {**PARIS, "max_tokens": 20})
+    assert len(calls) >= 1
+    assert status == 500
+    error = json.loads(text)["error"]
+    assert error["type"] == "InternalServerError" and error["code"] == 500
+    assert "injected failure" in error["message"]
+    assert_all_blocks_free(llm)  # the engine ended the request and returned its blocks
+    assert_serves_correctly(base, offline)
+
+
+def test_failed_step_mid_stream_sends_an_error_event(server, offline, monkeypatch):
+    base, llm = server
+    wait_idle(llm)
+    fail_model_call(monkeypatch, llm, on_call=4)  # after the prompt and a few tokens
+    events = stream(base + "/v1/completions", {"prompt": "Tell me a long story.",
+                                               "max_tokens": 40, "temperature": 0,
+                                               "ignore_eos": True})
+    *chunks, last = events
+    assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert last["error"]["type"] == "InternalServerError" and last["error"]["code"] == 500
+    assert_all_blocks_free(llm)
+    assert_serves_correctly(base, offline)
+
+
+def test_engine_bug_fails_every_request_in_flight(server, offline, monkeypatch):
+    """Not an EngineStepError: the server cannot know which requests are intact, so it ends them
+    all itself (abort_request) and fails them, and keeps serving."""
+    base, llm = server
+    wait_idle(llm)
+    scheduler = llm.llm_engine.scheduler
+    real, fired = scheduler.update_from_output, []
+
+    def buggy(sched, result):  # raises once, when both requests below are in the same step
+        if not fired and len({r.parent_id for r, _ in sched.scheduled}) >= 2:
+            fired.append(True)
+            raise KeyError("injected scheduler bug")
+        return real(sched, result)
+
+    monkeypatch.setattr(scheduler, "update_from_output", buggy)
+    body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            async def plain():
+                async with session.post(base + "/v1/completions",
+                                        json={**body, "prompt": "One two three"}) as resp:
+                    return resp.status, await resp.json()
+
+            async def streamed():
+                async with session.post(base + "/v1/chat/completions", json={
+                        **body, "stream": True,
+                        "messages": [{"role": "user", "content": "Count to fifty."}]}) as resp:
+                    return resp.status, (await resp.read()).decode()
+
+            return await asyncio.gather(plain(), streamed())
+
+    (status, plain_body), (stream_status, stream_text) = asyncio.run(go())
+    assert fired
+    assert status == 500 and plain_body["error"]["type"] == "InternalServerError"
+    assert "injected scheduler bug" in plain_body["error"]["message"]
+    assert stream_status == 200  # the headers were sent before the failure
+    events = stream_text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert json.loads(events[-3][len("data: "):])["error"]["code"] == 500
+    assert_all_blocks_free(llm)
+    assert_serves_correctly(base, offline)
+
+
+def test_health_is_503_once_the_engine_loop_is_gone():
+    llm = LLM(max_model_len=64, kv_cache_tokens=512)
+    # Stopped: /health says so, and a new request is refused instead of waiting forever.
+    background = BackgroundServer(llm)
+    try:
+        assert get(background.url + "/health") == (200, "ok")
+        background.engine.stop()
+        status, text = get(background.url + "/health")
+        assert status == 503 and "stopped" in json.loads(text)["error"]["message"]
+        status, text = post(background.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 500 and "not running" in json.loads(text)["error"]["message"]
+    finally:
+        background.stop()
+    # Died (something no `except Exception` catches): the request in flight is ended and failed.
+    background = BackgroundServer(llm)
+    try:
+        runner = llm.llm_engine.model_runner
+
+        def dies(sched):
+            raise SystemExit("injected")
+
+        runner.execute_model = dies
+        try:
+            status, text = post(background.url + "/v1/completions",
+                                {"prompt": "Hi", "max_tokens": 4})
+        finally:
+            del runner.execute_model  # back to the class's method
+        assert status == 500
+        background.engine.thread.join(10)
+        status, text = get(background.url + "/health")
+        assert status == 503 and "died" in json.loads(text)["error"]["message"]
+        assert json.loads(text)["error"]["type"] == "ServiceUnavailableError"
+        s = llm.stats()
+        assert s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0
+    finally:
+        background.stop()
+
+
+# ---- DELTA streaming, stop strings --------------------------------------------------------------
+FRUITS_PROMPT = "Here is a list of fruits:\n-"
+FRUITS_CHAT = [{"role": "user", "content": "List three fruits, one per line."}]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "stream"])
+def test_stop_string_ends_the_text_as_offline(server, offline, chat, streamed):
+    base, llm = server
+    sp = SamplingParams(max_tokens=24, temperature=0, stop=["\n"])
+    full = SamplingParams(max_tokens=24, temperature=0)
+    if chat:
+        url, body = base + "/v1/chat/completions", {"messages": FRUITS_CHAT}
+        expected, unstopped = offline.chat(FRUITS_CHAT, sp)[0], offline.chat(FRUITS_CHAT, full)[0]
+    else:
+        url, body = base + "/v1/completions", {"prompt": FRUITS_PROMPT}
+        expected = offline.generate(FRUITS_PROMPT, sp)[0]
+        unstopped = offline.generate(FRUITS_PROMPT, full)[0]
+    assert "\n" in unstopped.outputs[0].text  # without `stop`, it would run on
+    body = {**body, "max_tokens": 24, "temperature": 0, "stop": ["\n"]}
+    if streamed:
+        events = stream(url, body)
+        text = streamed_text(events, chat)
+        finals = [c for e in events for c in e["choices"] if c["finish_reason"] is not None]
+        assert len(finals) == 1
+        choice = finals[0]
+    else:
+        status, raw = post(url, body)
+        assert status == 200, raw
+        choice = json.loads(raw)["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "\n"
+    assert "\n" not in text and text == expected.outputs[0].text
+    wait_idle(llm)
+
+
+def test_stop_as_a_string_and_include_stop_str_in_output(server, offline):
+    base, _ = server
+    sp = SamplingParams(max_tokens=24, temperature=0, stop="\n", include_stop_str_in_output=True)
+    expected = offline.generate(FRUITS_PROMPT, sp)[0].outputs[0].text
+    status, raw = post(base + "/v1/completions", {
+        "prompt": FRUITS_PROMPT, "max_tokens": 24, "temperature": 0, "stop": "\n",
+        "include_stop_str_in_output": True})
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == expected
+    assert expected.endswith("\n")
+
+
+def test_n_streamed_per_index_matches_plain(server):
+    base, llm = server
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 7, "n": 3}
+    status, raw = post(base + "/v1/completions", body)
+    assert status == 200
+    plain = {c["index"]: c for c in json.loads(raw)["choices"]}
+    events = stream(base + "/v1/completions", body)
+    for i in range(3):
+        mine = [c for e in events for c in e["choices"] if c["index"] == i]
+        finals = [c for c in mine if c["finish_reason"] is not None]
+        assert len(finals) == 1 and mine[-1] is finals[0]  # once, and last
+        assert finals[0]["finish_reason"] == plain[i]["finish_reason"]
+        assert "".join(c["text"] for c in mine) == plain[i]["text"]
+    assert len({p["text"] for p in plain.values()}) > 1  # really three samples
+    wait_idle(llm)
+
+
+# ---- fields kvlab does not implement are refused, by name ---------------------------------------
+REFUSED = [
+    ("logprobs", 1), ("logprobs", True), ("top_logprobs", 2), ("echo", True), ("suffix", "x"),
+    ("best_of", 3), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+    ("logit_bias", {"42": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
+    ("response_format", {"type": "json_object"}), ("min_p", 0.1), ("repetition_penalty", 1.2),
+    ("use_beam_search", True),
+]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("field, value", REFUSED, ids=[f"{f}={v}" for f, v in REFUSED])
+def test_unsupported_field_is_refused_by_name(server, chat, field, value):
+    base, _ = server
+    assert field in UNSUPPORTED_FIELDS
+    url = base + ("/v1/chat/completions" if chat else "/v1/completions")
+    body = ({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})
+    status, raw = post(url, {**body, "max_tokens": 2, field: value})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["type"] == "BadRequestError" and error["param"] == field
+    assert f"'{field}'" in error["message"] and "not supported" in error["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_fields_at_their_no_op_value_are_accepted(server, chat):
+    base, llm = server
+    url = base + ("/v1/chat/completions" if chat else "/v1/completions")
+    prompt = ({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})
+    plain = {**prompt, "max_tokens": 3, "temperature": 0}
+    status, raw = post(url, plain)
+    assert status == 200
+    answer = json.loads(raw)["choices"]
+    tags = {"model": "anything", "user": "u-1", "n": 2, "best_of": 2, "stop": None,
+            "cache_salt": None, "stream": None, "seed": None, "top_k": -1}
+    for round_ in range(2):  # every no-op value of every unsupported field, over two requests
+        noops = {f: v[round_ % len(v)] for f, v in UNSUPPORTED_FIELDS.items()}
+        status, raw = post(url, {**plain, **noops, **tags})
+        assert status == 200, raw
+        choices = json.loads(raw)["choices"]
+        assert [c.get("text") or c["message"]["content"] for c in choices] == \
+            [c.get("text") or c["message"]["content"] for c in answer] * 2  # greedy: the same
+    wait_idle(llm)
+
+
+@pytest.mark.parametrize("chat, field, hint", [
+    (False, "max_token", "max_tokens"),
+    (True, "temprature", "temperature"),
+    (False, "messages", None),
+    (True, "prompt", None),
+    (True, "zzz_not_a_field", None),
+])
+def test_unknown_field_is_refused_by_name(server, chat, field, hint):
+    base, _ = server
+    url = base + ("/v1/chat/completions" if chat else "/v1/completions")
+    body = ({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})
+    status, raw = post(url, {**body, field: 1})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == field
+    assert f"unknown field '{field}'" in error["message"]
+    if hint:
+        assert f"did you mean '{hint}'" in error["message"]
+    assert field not in SUPPORTED_FIELDS[url[len(base):]]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"stop_token_ids": "x"}, "stop_token_ids"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": 1}, "skip_special_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream (vLLM)
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage"),
+    ({"stream": True, "stream_options": {"inclde_usage": True}}, "inclde_usage"),
+    ({"logprobs": 0}, "logprobs"),  # 0 asks for the sampled token's logprob: not a no-op
+    ({"best_of": 2, "n": 1}, "best_of"),
+])
+def test_more_bad_fields(server, body, words):
+    base, _ = server
+    status, raw = post(base + "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
+    assert status == 400 and words in json.loads(raw)["error"]["message"]
+
+
+def test_metrics_report_preempted_prefix_cache_counters(server):
+    base, _ = server
+    status, metrics = get(base + "/metrics")
+    assert status == 200
+    for name in ("kvlab:prefix_cache_preempted_queries_total",
+                 "kvlab:prefix_cache_preempted_hits_total"):
+        assert f"# TYPE {name} counter" in metrics
+        assert any(line.startswith(name + " ") for line in metrics.splitlines())

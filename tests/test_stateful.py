@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvlab import LLM, SamplingParams
+from kvlab.outputs import ModelRunnerOutput
 
 FAKE_VOCAB = 2000  # the stand-in's logits only need to cover the tokens it emits
 
@@ -24,15 +25,18 @@ FAKE_VOCAB = 2000  # the stand-in's logits only need to cover the tokens it emit
 def fake_execute_model(engine):
     """Stand-in for ModelRunner.execute_model: same contract, no forward pass."""
 
-    def execute_model(scheduled):
-        engine.kv_cache_manager.take_pending_copies()  # a real runner copies these blocks
-        done = [r for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens]
-        logits = torch.zeros((len(done), FAKE_VOCAB))
-        for i, r in enumerate(done):
+    def execute_model(sched):
+        done = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        # Forked samples draw from their parent's row, as the real runner does.
+        rows = [(r, s) for r in done for s in [r, *sched.forked.get(r.request_id, [])]]
+        logits = torch.zeros((len(rows), FAKE_VOCAB))
+        for i, (r, _) in enumerate(rows):
             # Deterministic "next token": a function of the sequence so far.
             last = r.token_ids(r.num_tokens - 1, r.num_tokens)[0]
             logits[i, (last * 31 + r.num_tokens * 7) % 1000 + 100] = 10.0
-        return done, logits
+        result = engine.model_runner.sampler(logits, [s.sampling_params for _, s in rows],
+                                             [s.generator for _, s in rows])
+        return ModelRunnerOutput({s.request_id: t for (_, s), t in zip(rows, result.token_ids)})
 
     return execute_model
 
@@ -74,9 +78,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.kv.get_computed_blocks = checked_lookup
         original_cache = self.kv.cache_blocks
 
-        def recording_cache(request):
+        def recording_cache(request, num_tokens=None):
             # Note what each newly keyed block holds, from the request that keyed it.
-            original_cache(request)
+            original_cache(request, num_tokens)
             for j, bid in enumerate(self.kv.get_block_ids(request.request_id)):
                 key = self.kv.block_pool.blocks[bid].block_hash
                 if key is not None and self.block_content.get(bid, (None,))[0] != key:

@@ -16,13 +16,13 @@ from kvlab.kv_cache import KVCacheManager  # noqa: E402
 def test_figures_draw():
     lengths = sim.request_lengths(20, seed=1)
     c, p = sim.simulate(lengths, "contiguous", 2048, 512), sim.simulate(lengths, "paged", 2048, 512)
-    m = KVCacheManager(num_blocks=8, block_size=4, kv_layout="paged", max_model_len=16)
+    m = KVCacheManager(num_blocks=8, block_size=4, max_model_len=16)
     m.allocate_slots("a", 6)
     figs = [
         viz.plot_kv_memory(46_080, [128, 256], [1, 4], budget_bytes=2**30),
         viz.plot_sim(c, p),
         viz.plot_block_size_tradeoff(lengths, 16),
-        viz.draw_memory_map(m.memory_map({"a": 6}), 4, "paged").figure,
+        viz.draw_memory_map(viz.memory_map(m, {"a": 6}), 4, "paged").figure,
     ]
     for fig in figs:
         assert fig.axes

@@ -1,6 +1,6 @@
 """Benchmarks: kvlab against its peers, side by side in one run, reported as ratios.
 
-    python -m kvlab.bench seeds [NAME ...] # every chapter's seed experiment, JSON and CSV
+    python -m kvlab.bench reproduce [NAME ...]  # the published experiments, JSON and CSV
     python -m kvlab.bench speed            # kvlab vs transformers generate, batch 1 and 16
     python -m kvlab.bench cow              # KV memory saved by block sharing (chapter 02)
     python -m kvlab.bench sched            # continuous batching and chunked prefill targets
@@ -8,7 +8,7 @@
     python -m kvlab.bench peers            # transformers generate / generate_batch, the ceiling
     python -m kvlab.bench client           # stream to any OpenAI-compatible server
 
-Protocol (as the seed articles): one warm-up run excluded, then `repeats` runs; the median and
+Protocol (as the articles the chapters reproduce): one warm-up run excluded, then `repeats` runs; the median and
 the spread (min-max) are reported. Both sides generate exactly `max_tokens` tokens (EOS ignored)
 greedily from the same prompts on the same weights, and both outputs are checked to be equal, so
 the comparison is of the same work.

@@ -94,9 +94,10 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", help="also write the results to this file")
-    from kvlab.bench.seeds import EXPERIMENTS
+    from kvlab.bench.reproduce import EXPERIMENTS
 
-    p = sub.add_parser("seeds", help="the seed articles' experiments, tables saved as JSON and CSV")
+    p = sub.add_parser("reproduce", help="the published experiments each chapter reproduces, "
+                                         "tables saved as JSON and CSV")
     p.add_argument("names", nargs="*", metavar="NAME",
                    help=f"any of {', '.join(EXPERIMENTS)} (default: all, in chapter order)")
     p.add_argument("--repeats", type=int, default=3)
@@ -108,15 +109,15 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if args.command == "seeds":
+    if args.command == "reproduce":
         from pathlib import Path
 
-        from kvlab.bench.seeds import run_seeds
+        from kvlab.bench.reproduce import run_experiments
 
         unknown = sorted(set(args.names) - set(EXPERIMENTS))
         if unknown:
             parser.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
-        run_seeds(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
+        run_experiments(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
         return
     if args.command == "peers":
         from kvlab.bench import peers

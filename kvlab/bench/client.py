@@ -41,6 +41,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server failed mid-stream (an SSE error event, as vLLM's)
+                res.error = f"{chunk['error'].get('code')}: {chunk['error'].get('message')}"
+                continue  # [DONE] follows
             if chunk.get("usage"):
                 res.completion_tokens = chunk["usage"]["completion_tokens"]
                 # Present only when the server reports it (vLLM: --enable-prompt-tokens-details).

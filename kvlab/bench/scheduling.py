@@ -1,6 +1,6 @@
 """The scheduling experiments of chapters 03-04, as functions the notebooks and the CLI call.
 
-Protocol as the seed articles: a warm-up batch excluded, then `repeats` batches; medians are
+Protocol as the articles chapters 03-04 reproduce: a warm-up batch excluded, then `repeats` batches; medians are
 reported with their spread. Every batch uses fresh prompts.
 """
 

@@ -1,4 +1,4 @@
-"""The seed experiments as one command line: tables, JSON and CSV (issue 6)."""
+"""The published experiments as one command line: tables, JSON and CSV."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from kvlab.bench.__main__ import main
-from kvlab.bench.seeds import EXPERIMENTS, format_table, save_rows
+from kvlab.bench.reproduce import EXPERIMENTS, format_table, save_rows
 
 
-def test_every_chapter_with_a_seed_has_an_experiment():
+def test_every_chapter_with_a_published_figure_has_an_experiment():
     assert {e.chapter for e in EXPERIMENTS.values()} == {"01", "02", "03", "04", "05", "06"}
 
 
@@ -31,7 +31,7 @@ def test_table_json_and_csv_keep_every_row_and_column(tmp_path):
 
 
 def test_cli_runs_an_experiment_on_the_real_model_and_saves_it(tmp_path, capsys):
-    main(["seeds", "paged-admission", "--repeats", "1", "--out", str(tmp_path)])
+    main(["reproduce", "paged-admission", "--repeats", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "== paged-admission (chapter 01) ==" in printed
     rows = json.loads((tmp_path / "paged-admission.json").read_text())
@@ -46,6 +46,6 @@ def test_cli_runs_an_experiment_on_the_real_model_and_saves_it(tmp_path, capsys)
 
 def test_cli_refuses_an_unknown_experiment(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["seeds", "continuous-batchin"])
+        main(["reproduce", "continuous-batchin"])
     assert exc.value.code == 2
     assert "unknown experiment" in capsys.readouterr().err

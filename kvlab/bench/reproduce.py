@@ -1,8 +1,13 @@
-"""The seed articles' experiments, one named function each, as `python -m kvlab.bench seeds`.
+"""The published experiments each chapter reproduces, one named function each, as
+`python -m kvlab.bench reproduce`.
 
-Every experiment returns flat rows (one dict per measured point), so the command line prints them
-as a table and saves them as JSON and CSV alike. The protocol is the seeds': a warm-up run that is
-not counted, then `repeats` runs, medians with the spread (min-max) where time is measured.
+The figures come from the PagedAttention, Orca and Sarathi-Serve papers and from three articles
+on vLLM's KV-cache management ("LLM KV Cache Anatomy, part 2", 2026-10-13, Qwen3-1.7B on an 8 GB
+GPU, vLLM 0.31.0; "PagedAttention by logic simulation"; "Continuous batching, chunked prefill,
+prefix caching and cache_salt, re-measured on a small model", 2026-10-27, Qwen3-Reranker-0.6B on
+an 8 GB Ada laptop GPU, vLLM 0.31.0). Every experiment returns flat rows (one dict per measured
+point), so the command line prints them as a table and saves them as JSON and CSV alike. The
+protocol is those articles': a warm-up run that is not counted, then `repeats` runs, medians with the spread (min-max) where time is measured.
 Chapter sizes are kept so a full run takes minutes on a laptop CPU; pass bigger sizes to the
 functions themselves on a GPU.
 """
@@ -182,7 +187,7 @@ def save_rows(rows: list[dict], out_dir: Path, name: str) -> list[Path]:
     return [json_path, csv_path]
 
 
-def run_seeds(names: list[str], repeats: int = 3, model: str | None = None,
+def run_experiments(names: list[str], repeats: int = 3, model: str | None = None,
               out_dir: Path | None = None, progress: bool = True) -> dict[str, list[dict]]:
     """Run the named experiments in order; print each table; save JSON and CSV to `out_dir`."""
     unknown = [n for n in names if n not in EXPERIMENTS]

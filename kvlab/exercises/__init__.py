@@ -1,0 +1,83 @@
+"""The build track: in each chapter you write the mechanism, and kvlab checks it on the real engine.
+
+    from kvlab import exercises
+    exercises.check("block_pool", TinyBlockPool)   # behaviour tests, then the real model
+    exercises.hint("block_pool")                   # a nudge
+    exercises.solution("block_pool")               # kvlab's answer, printed
+
+A check first runs fast cases (small hand-made examples, then seeded random ones compared with
+kvlab's own code), then plugs your code into a fresh small engine on the real model: the tokens
+must equal kvlab's own and the bookkeeping must hold (no leaked block, consistent ref counts). It
+reports what passed, the first failing case in words, and a hint. It never raises on wrong code:
+if your code raises, the report shows your traceback.
+
+Exercises, by chapter:
+    00 paged_attention     attention of one decode token, through the block table
+    01 block_pool          free queue, reference counts, all-or-nothing allocation
+    01 allocate_slots      how many blocks a request needs now
+    02 fork                share the parent's blocks
+    02 copy_on_write       copy a shared block before writing into it
+    03 schedule            one scheduling step, with preemption
+    04 chunked_prefill     each request's share of the token budget
+    05 block_hashes        the block hash chain, salt in block 0
+    05 longest_cache_hit   whole blocks, stop at the first miss, never the last token
+    06 timing_attack       read a cache hit off the clock
+"""
+
+from __future__ import annotations
+
+from kvlab.exercises import (
+    ch00_attention,
+    ch01_block_pool,
+    ch02_copy_on_write,
+    ch03_scheduling,
+    ch04_chunked_prefill,
+    ch05_prefix_caching,
+    ch06_cache_salt,
+)
+from kvlab.exercises._common import Case, Exercise, IdPool, Mismatch, RequestView
+from kvlab.exercises._report import CheckResult
+
+EXERCISES: dict[str, Exercise] = {
+    ex.name: ex
+    for module in (ch00_attention, ch01_block_pool, ch02_copy_on_write, ch03_scheduling,
+                   ch04_chunked_prefill, ch05_prefix_caching, ch06_cache_salt)
+    for ex in module.EXERCISES
+}
+
+
+def _get(name: str) -> Exercise:
+    try:
+        return EXERCISES[name]
+    except KeyError:
+        raise KeyError(f"no exercise {name!r}; the exercises are {sorted(EXERCISES)}") from None
+
+
+def check(name: str, impl, *, real_model: bool = True) -> CheckResult:
+    """Run exercise `name`'s checks on your function or class; returns a printable result,
+    truthy only when every check passed. `real_model=False` skips the real-model run."""
+    return _get(name).check(impl, real_model=real_model)
+
+
+def hint(name: str) -> None:
+    """Print a hint for exercise `name`."""
+    print(_get(name).hint)
+
+
+def solution(name: str) -> None:
+    """Print kvlab's answer (with the imports it needs): paste it into a cell and it runs."""
+    print(_get(name).solution_source())
+
+
+def stub(name: str) -> str:
+    """The source you start from (what the notebook's 'your turn' cell holds)."""
+    return _get(name).stub
+
+
+def by_chapter(chapter: str) -> list[Exercise]:
+    """The exercises of one notebook, by its file stem ("03_continuous_batching")."""
+    return [ex for ex in EXERCISES.values() if ex.chapter == chapter]
+
+
+__all__ = ["EXERCISES", "Exercise", "Case", "CheckResult", "IdPool", "Mismatch", "RequestView",
+           "check", "hint", "solution", "stub", "by_chapter"]

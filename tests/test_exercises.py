@@ -1,0 +1,507 @@
+"""The build track's checks (kvlab.exercises): they pass kvlab's solutions and other correct
+code, they fail wrong code with a report that names the case, and they never raise."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import io
+import math
+import statistics
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab import exercises
+from kvlab.exercises._report import run_check
+from kvlab.prefix_cache import hash_block_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = list(exercises.EXERCISES)
+
+
+# ---- other correct implementations, written differently ----------------------------------------
+def alt_paged_attention(q, kv_layer, block_table, seq_len, scale):
+    """One head at a time, one position at a time."""
+    num_heads, _ = q.shape
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    out = []
+    for h in range(num_heads):
+        kv_head = h * num_kv_heads // num_heads
+        slots = [(block_table[p // block_size], p % block_size) for p in range(seq_len)]
+        keys = torch.stack([kv_layer[0, b, s, kv_head] for b, s in slots])  # (L, D)
+        values = torch.stack([kv_layer[1, b, s, kv_head] for b, s in slots])
+        weights = torch.softmax(keys @ q[h] * scale, dim=0)
+        out.append(weights @ values)
+    return torch.stack(out)
+
+
+class AltBlockPool:
+    """A deque and a dict instead of an OrderedDict and a list."""
+
+    def __init__(self, num_blocks):
+        self.refs = {b: 0 for b in range(num_blocks)}
+        self.queue = deque(range(num_blocks))
+
+    def get_num_free_blocks(self):
+        return len(self.queue)
+
+    def get_new_blocks(self, num_blocks):
+        if len(self.queue) < num_blocks:
+            raise ValueError("not enough free blocks")
+        out = [self.queue.popleft() for _ in range(num_blocks)]
+        for b in out:
+            self.refs[b] = 1
+        return out
+
+    def touch(self, block_ids):
+        for b in block_ids:
+            if not self.refs[b]:
+                self.queue.remove(b)
+            self.refs[b] += 1
+
+    def free_blocks(self, block_ids):
+        for b in block_ids:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.queue.append(b)
+
+
+def alt_allocate_slots(block_table, num_tokens, block_size, pool):
+    missing = math.ceil(num_tokens / block_size) - len(block_table)
+    if missing <= 0:
+        return True
+    if pool.get_num_free_blocks() < missing:
+        return False
+    for b in pool.get_new_blocks(missing):
+        block_table.append(b)
+    return True
+
+
+def alt_fork(parent_table, pool):
+    child = parent_table[:]
+    for b in child:
+        pool.touch([b])
+    return child
+
+
+def alt_copy_on_write(block_table, num_computed_tokens, block_size, pool):
+    """All fresh blocks in one call, all old references dropped in one call."""
+    written = [i for i in range(len(block_table))
+               if (i + 1) * block_size > num_computed_tokens and pool.ref_cnt(block_table[i]) >= 2]
+    fresh = pool.get_new_blocks(len(written))
+    old = [block_table[i] for i in written]
+    pool.free_blocks(old)
+    for i, f in zip(written, fresh):
+        block_table[i] = f
+    return list(zip(old, fresh))
+
+
+def alt_schedule(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                 max_num_batched_tokens):
+    """A flag instead of membership tests, and a dict for the scheduled requests."""
+    alive, free, budget = list(running), num_free_blocks, max_num_batched_tokens
+    scheduled, gone = {}, []
+    k = 0
+    while k < len(alive) and budget >= 1:
+        r = alive[k]
+        need = int(r.num_computed_tokens + 1 > r.num_blocks * block_size)
+        preempted_self = False
+        while free < need:
+            victim = alive.pop()
+            gone.append(victim.request_id)
+            free += victim.num_blocks
+            if victim.request_id == r.request_id:
+                preempted_self = True
+                break
+        if preempted_self:
+            break
+        free, budget = free - need, budget - 1
+        scheduled[r.request_id] = 1
+        k += 1
+    if not gone:
+        for w in waiting:
+            blocks = -(-w.num_tokens // block_size)
+            if len(alive) == max_num_seqs or w.num_tokens > budget or blocks > free:
+                break
+            scheduled[w.request_id] = w.num_tokens
+            alive.append(w)
+            budget -= w.num_tokens
+            free -= blocks
+    return scheduled, gone
+
+
+def alt_chunked_prefill(running, waiting, max_num_batched_tokens):
+    left, out = max_num_batched_tokens, []
+    for r in list(running) + list(waiting):
+        if left == 0:
+            break
+        take = r.num_tokens - r.num_computed_tokens
+        if take > left:
+            take = left
+        out.append((r.request_id, take))
+        left -= take
+    return out  # a list of pairs is fine too
+
+
+def alt_block_hashes(token_ids, block_size, cache_salt=None):
+    keys, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = () if start or cache_salt is None else (("cache_salt", cache_salt),)
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        keys.append(parent)
+    return keys
+
+
+def alt_longest_cache_hit(block_hashes, num_tokens, block_size, cached):
+    out = []
+    for key in block_hashes[: max(0, num_tokens - 1) // block_size]:
+        if key not in cached:
+            break
+        out.append(cached[key])
+    return out
+
+
+def alt_timing_attack(ttft, cold_ttfts, warm_ttfts):
+    """The geometric middle of the two medians: a threshold on the log scale."""
+    cold = sorted(cold_ttfts)[len(cold_ttfts) // 2]
+    warm = sorted(warm_ttfts)[len(warm_ttfts) // 2]
+    return math.log(ttft) < (math.log(cold) + math.log(warm)) / 2
+
+
+ALTERNATIVES = {
+    "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
+    "allocate_slots": alt_allocate_slots, "fork": alt_fork, "copy_on_write": alt_copy_on_write,
+    "schedule": alt_schedule, "chunked_prefill": alt_chunked_prefill,
+    "block_hashes": alt_block_hashes, "longest_cache_hit": alt_longest_cache_hit,
+    "timing_attack": alt_timing_attack,
+}
+
+
+# ---- the registry --------------------------------------------------------------------------------
+def test_every_chapter_00_to_06_has_an_exercise_under_its_notebook_stem():
+    stems = {p.stem for p in (ROOT / "notebooks").glob("0[0-6]_*.ipynb")}
+    assert len(stems) == 7
+    chapters = {ex.chapter for ex in exercises.EXERCISES.values()}
+    assert chapters == stems
+    for stem in stems:
+        assert exercises.by_chapter(stem)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exercise_record_is_complete(name):
+    ex = exercises.EXERCISES[name]
+    assert ex.name == name and ex.title and ex.hint and ex.cases
+    assert ex.check is not None
+    assert 2 <= ex.prompt.count(". ") + 1 <= 4, ex.prompt
+    # A top-level function or class: its source is what solution() prints.
+    assert inspect.isfunction(ex.solution) or inspect.isclass(ex.solution)
+    assert ex.solution.__qualname__ == ex.solution.__name__
+    assert 'raise NotImplementedError("your turn")' in ex.stub
+    assert f"def {ex.entry_point}(" in ex.stub or f"class {ex.entry_point}" in ex.stub
+    assert any(c.real_model for c in ex.cases)
+    assert set(ALTERNATIVES) == set(NAMES)
+
+
+# ---- solutions, stubs, pasted solutions ------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_passes_the_fast_cases(name):
+    result = exercises.check(name, exercises.EXERCISES[name].solution, real_model=False)
+    assert result, str(result)
+    assert result.failed is None and not result.not_done and result.skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_passes_on_the_real_model(name):
+    result = exercises.check(name, exercises.EXERCISES[name].solution)
+    assert result, str(result)
+    assert not result.skipped and "all" in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_stub_is_not_done_yet_and_check_does_not_raise(name):
+    ex = exercises.EXERCISES[name]
+    namespace: dict = {}
+    exec(compile(ex.stub, f"<stub {name}>", "exec"), namespace)
+    result = exercises.check(name, namespace[ex.entry_point])
+    assert not result and result.not_done and result.failed is None
+    assert "not done yet" in str(result) and "Traceback" not in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pasting_the_printed_solution_gives_code_that_passes(name):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exercises.solution(name)
+    namespace: dict = {}
+    exec(compile(out.getvalue(), f"<pasted {name}>", "exec"), namespace)
+    result = exercises.check(name, namespace[exercises.EXERCISES[name].entry_point],
+                             real_model=False)
+    assert result, str(result)
+
+
+def test_hint_prints_and_unknown_names_say_which_exist(capsys):
+    exercises.hint("block_pool")
+    assert "OrderedDict" in capsys.readouterr().out
+    with pytest.raises(KeyError, match="block_pool"):
+        exercises.check("no_such_exercise", print)
+
+
+# ---- other correct code passes -------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_another_correct_implementation_passes(name):
+    result = exercises.check(name, ALTERNATIVES[name], real_model=False)
+    assert result, str(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_another_correct_implementation_passes_on_the_real_model(name):
+    result = exercises.check(name, ALTERNATIVES[name])
+    assert result, str(result)
+
+
+# ---- wrong code fails, with the case named and a hint ----------------------------------------
+class FreedToTheHead(AltBlockPool):
+    def free_blocks(self, block_ids):
+        for b in block_ids:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.queue.appendleft(b)  # head instead of tail: most recently freed first
+
+
+class TouchKeepsFreeBlocksQueued(AltBlockPool):
+    def touch(self, block_ids):
+        for b in block_ids:
+            self.refs[b] += 1  # the statement that takes a free block out of the queue: dropped
+
+
+def off_by_one_allocate(block_table, num_tokens, block_size, pool):
+    missing = num_tokens // block_size + 1 - len(block_table)  # 8 tokens -> 3 blocks
+    return alt_allocate_slots(block_table, max(0, missing) * block_size, block_size, pool)
+
+
+def strict_free_check_allocate(block_table, num_tokens, block_size, pool):
+    missing = max(0, -(-num_tokens // block_size) - len(block_table))
+    if missing >= pool.get_num_free_blocks() and missing:  # >= where > is right
+        return False
+    block_table.extend(pool.get_new_blocks(missing))
+    return True
+
+
+def fork_same_list(parent_table, pool):
+    pool.touch(parent_table)
+    return parent_table
+
+
+def cow_in_place(block_table, num_computed_tokens, block_size, pool):
+    return []  # writes into shared blocks
+
+
+def _without(solution, line: str):
+    """kvlab's solution with one statement (and its block) dropped."""
+    source = inspect.getsource(solution)
+    assert line in source
+    lines = source.splitlines()
+    start = next(i for i, text in enumerate(lines) if line in text)
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip()
+                                or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    namespace: dict = {}
+    exec("\n".join(lines[:start] + lines[end:]), namespace)
+    return namespace[solution.__name__]
+
+
+schedule_admits_after_preemption = _without(exercises.EXERCISES["schedule"].solution,
+                                            "if preempted:")
+
+
+def budget_counted_twice(running, waiting, max_num_batched_tokens):
+    left, out = max_num_batched_tokens, {}
+    for r in [*running, *waiting]:
+        take = min(r.num_tokens - r.num_computed_tokens, left)
+        if take > 0:
+            out[r.request_id] = take
+            left -= 2 * take
+            left = max(left, 0)
+    return out
+
+
+def hashes_not_chained(token_ids, block_size, cache_salt=None):
+    n = len(token_ids) // block_size
+    return [hash_block_tokens(None, token_ids[i * block_size:(i + 1) * block_size],
+                              (("cache_salt", cache_salt),) if i == 0 and cache_salt else ())
+            for i in range(n)]
+
+
+def salt_in_every_block(token_ids, block_size, cache_salt=None):
+    keys = []
+    for i in range(len(token_ids) // block_size):
+        extra = (("cache_salt", cache_salt),) if cache_salt is not None else ()
+        keys.append(hash_block_tokens(keys[-1] if keys else None,
+                                      token_ids[i * block_size:(i + 1) * block_size], extra))
+    return keys
+
+
+def hit_includes_last_token(block_hashes, num_tokens, block_size, cached):
+    out = []
+    for key in block_hashes[: num_tokens // block_size]:
+        if cached.get(key) is None:
+            break
+        out.append(cached[key])
+    return out
+
+
+def hit_falsy_block_zero(block_hashes, num_tokens, block_size, cached):
+    out = []
+    for key in block_hashes[: (num_tokens - 1) // block_size]:
+        if not cached.get(key):
+            break
+        out.append(cached[key])
+    return out
+
+
+def mean_threshold(ttft, cold_ttfts, warm_ttfts):
+    return ttft < (statistics.mean(cold_ttfts) + statistics.mean(warm_ttfts)) / 2
+
+
+def attention_gqa_modulo(q, kv_layer, block_table, seq_len, scale):
+    num_heads, num_kv_heads = q.shape[0], kv_layer.shape[3]
+    k = kv_layer[0][block_table].flatten(0, 1)[:seq_len]  # (L, Hkv, D)
+    v = kv_layer[1][block_table].flatten(0, 1)[:seq_len]
+    heads = [h % num_kv_heads for h in range(num_heads)]  # should be h // group
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, k[:, heads]) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", w, v[:, heads])
+
+
+def attention_whole_blocks(q, kv_layer, block_table, seq_len, scale):
+    return alt_paged_attention(q, kv_layer, block_table,
+                               len(block_table) * kv_layer.shape[2], scale)
+
+
+BUGS = [
+    ("block_pool", FreedToTheHead, "freed blocks join the tail"),
+    ("block_pool", TouchKeepsFreeBlocksQueued, "touching a free block"),
+    ("allocate_slots", off_by_one_allocate, "exactly two blocks' worth"),
+    ("allocate_slots", strict_free_check_allocate, "exactly as many free blocks"),
+    ("fork", fork_same_list, "a new list"),
+    ("copy_on_write", cow_in_place, "after a fork"),
+    ("schedule", schedule_admits_after_preemption, "after a preemption nobody is admitted"),
+    ("chunked_prefill", budget_counted_twice, "a long prompt takes what is left"),
+    ("block_hashes", hashes_not_chained, "chained"),
+    ("block_hashes", salt_in_every_block, "only in block 0"),
+    ("longest_cache_hit", hit_includes_last_token, "never the block holding the last token"),
+    ("longest_cache_hit", hit_falsy_block_zero, "block 0 is a real block id"),
+    ("timing_attack", mean_threshold, "outlier"),
+    ("timing_attack", lambda ttft, cold, warm: True, "a clear hit and a clear miss"),
+    ("paged_attention", attention_gqa_modulo, "grouped-query"),
+    ("paged_attention", attention_whole_blocks, "partly filled"),
+]
+
+
+@pytest.mark.parametrize("name, impl, case", BUGS, ids=[f"{n}-{c}" for n, _, c in BUGS])
+def test_a_buggy_implementation_is_named_with_its_case_and_a_hint(name, impl, case):
+    result = exercises.check(name, impl)
+    assert not result and not result.not_done
+    assert case in result.failed.case, str(result)
+    report = str(result)
+    assert result.failed.case in report and "Hint:" in report and "expected" in report
+    assert "Traceback" not in report  # wrong answers are described, not raised
+
+
+def test_diagnosis_names_the_salt_mistake():
+    result = exercises.check("block_hashes", salt_in_every_block)
+    assert "salt is in every block" in str(result)
+
+
+# ---- code that raises, loops or returns garbage ----------------------------------------------
+def _helper_that_divides(x):
+    return x / 0
+
+
+def raising_attention(q, kv_layer, block_table, seq_len, scale):
+    return _helper_that_divides(seq_len)
+
+
+def test_an_exception_is_reported_with_the_participants_traceback_only():
+    result = exercises.check("paged_attention", raising_attention)
+    report = str(result)
+    assert not result and not result.not_done
+    assert "ZeroDivisionError" in report
+    assert "raising_attention" in report and "_helper_that_divides" in report
+    assert "_report.py" not in report and "ch00_attention.py" not in report
+
+
+@pytest.mark.slow
+def test_exceptions_inside_the_engine_and_system_exit_are_caught():
+    class ExitsInEngine(AltBlockPool):
+        def get_new_blocks(self, num_blocks):
+            if len(self.refs) == 12:  # only the engine's pool is this big: the fast cases pass
+                raise SystemExit("bye")
+            return super().get_new_blocks(num_blocks)
+
+    result = exercises.check("block_pool", ExitsInEngine)
+    assert not result and "SystemExit" in str(result)
+
+
+def test_an_endless_loop_fails_instead_of_hanging():
+    def spins(ttft, cold_ttfts, warm_ttfts):
+        while True:
+            pass
+
+    result = run_check(exercises.EXERCISES["timing_attack"], spins, fast_timeout_s=0.5)
+    assert not result and "endless loop" in str(result) and "spins" in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_garbage_return_values_never_raise(name):
+    ex = exercises.EXERCISES[name]
+    if inspect.isclass(ex.solution):
+        class Garbage:
+            def __init__(self, *args):
+                pass
+
+            def __getattr__(self, attr):
+                return lambda *args: "garbage"
+
+        impl = Garbage
+    else:
+        def impl(*args, **kwargs):
+            return None
+    result = exercises.check(name, impl)
+    assert not result and result.failed is not None
+
+
+def test_passing_something_that_is_not_code():
+    result = exercises.check("fork", 42)
+    assert not result and "exercises.check('fork', fork)" in str(result)
+
+
+def test_the_report_renders_as_text_and_html():
+    result = exercises.check("fork", exercises.EXERCISES["fork"].solution, real_model=False)
+    assert str(result) == repr(result)
+    assert result._repr_html_().startswith("<pre") and "fork" in result._repr_html_()
+    assert result.passed and result.passed[0] in str(result)
+
+
+# ---- the mutation script ---------------------------------------------------------------------
+def test_mutation_script_scores_an_exercise():
+    spec = importlib.util.spec_from_file_location("mutation_score",
+                                                  ROOT / "scripts" / "mutation_score.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    found = module.mutants(exercises.EXERCISES["allocate_slots"].solution)
+    kinds = {m.kind.split()[0] for m in found}
+    assert {"constant", "delete", "drop", "min"} <= kinds and any(k[0] in "<>" for k in kinds)
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()):
+        assert module.main(["allocate_slots", "fork", "--fast-only"]) == 0
+    assert "overall" in out.getvalue()
