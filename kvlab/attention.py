@@ -130,20 +130,24 @@ class SDPABackend(ReferenceBackend):
     name = "auto"
 
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
-        meta = super().build(common)
-        if common.num_seqs > 1 and common.is_pure_decode:
-            # Pad the block tables to one rectangle (with block 0, which is masked out) so all
-            # sequences attend in one call. Built on the host, moved once.
-            bs, tables = common.block_size, common.block_table_ids
-            max_blocks = max(len(b) for b in tables)
-            table = torch.zeros((common.num_seqs, max_blocks), dtype=torch.long, device="cpu")
-            for i, b in enumerate(tables):
-                table[i, : len(b)] = torch.tensor(b, dtype=torch.long, device="cpu")
-            key_pos = torch.arange(max_blocks * bs, device="cpu")
-            lens = torch.tensor(common.seq_lens, device="cpu")
-            mask = key_pos[None, :] < lens[:, None]  # (B, L)
-            meta.decode_block_table = table.to(common.device)
-            meta.decode_mask = mask[:, None, None, :].to(common.device)  # (B, 1, 1, L)
+        if not (common.num_seqs > 1 and common.is_pure_decode):
+            return super().build(common)
+        # The batched decode path reads only the padded table: no per-sequence tables. Pad the
+        # block tables to one rectangle (with block 0, which is masked out) so all sequences
+        # attend in one call. Built on the host, moved once.
+        meta = SDPAMetadata(slot_mapping=common.slot_mapping,
+                            query_start_loc=common.query_start_loc,
+                            seq_lens=common.seq_lens, block_tables=[])
+        bs, tables = common.block_size, common.block_table_ids
+        max_blocks = max(len(b) for b in tables)
+        table = torch.zeros((common.num_seqs, max_blocks), dtype=torch.long, device="cpu")
+        for i, b in enumerate(tables):
+            table[i, : len(b)] = torch.tensor(b, dtype=torch.long, device="cpu")
+        key_pos = torch.arange(max_blocks * bs, device="cpu")
+        lens = torch.tensor(common.seq_lens, device="cpu")
+        mask = key_pos[None, :] < lens[:, None]  # (B, L)
+        meta.decode_block_table = table.to(common.device)
+        meta.decode_mask = mask[:, None, None, :].to(common.device)  # (B, 1, 1, L)
         return meta
 
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:

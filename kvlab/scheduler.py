@@ -55,21 +55,17 @@ class Scheduler:
 
     # ---- seats ---------------------------------------------------------------------------
     def _seats_in_use(self) -> tuple[int, set[int]]:
-        """Seats held by running requests. A group (the samples of one n > 1 request, or one
-        beam search's beams) holds all its seats while any member runs, so the members that
-        start later can never push `running` past max_num_seqs."""
-        groups = {id(r.group) for r in self.running if r.group is not None}
-        seats = sum(1 for r in self.running if r.group is None)
-        seats += sum(r.group.num_seats for r in self._one_per_group())
-        return seats, groups
-
-    def _one_per_group(self) -> list[Request]:
-        seen, out = set(), []
+        """Seats held by running requests, and the groups that hold theirs. A group (the samples
+        of one n > 1 request, or one beam search's beams) holds all its seats while any member
+        runs, so the members that start later can never push `running` past max_num_seqs."""
+        seats, groups = 0, set()
         for r in self.running:
-            if r.group is not None and id(r.group) not in seen:
-                seen.add(id(r.group))
-                out.append(r)
-        return out
+            if r.group is None:
+                seats += 1
+            elif id(r.group) not in groups:
+                groups.add(id(r.group))
+                seats += r.group.num_seats
+        return seats, groups
 
     def _seat_cost(self, request: Request, running_groups: set[int]) -> int:
         if request.group is None:

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conftest import wait_idle
 
 from kvlab import LLM, SamplingParams
 from kvlab.bench.client import run_benchmark
@@ -40,16 +41,6 @@ def post(url: str, body, raw: bytes | None = None):
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
-
-
-def wait_idle(llm, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = llm.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_used_blocks"] == 0:
-            return s
-        time.sleep(0.1)
-    raise AssertionError(llm.stats())
 
 
 def test_completion_equals_offline_generate(server, offline):

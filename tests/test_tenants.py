@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from conftest import wait_idle
 
 from kvlab import LLM
 from kvlab.server import BackgroundServer, build_app
@@ -59,16 +60,6 @@ def call(url: str, body=None, key: str | None = None, authorization: str | None 
             return resp.status, resp.read().decode(), dict(resp.headers)
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(), dict(e.headers)
-
-
-def wait_idle(llm, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = llm.stats()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_used_blocks"] == 0:
-            return s
-        time.sleep(0.05)
-    raise AssertionError(llm.stats())
 
 
 def cached(base: str, doc: list[int], key: str | None = None, salt: str | None = None) -> int:

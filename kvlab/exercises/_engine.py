@@ -135,6 +135,27 @@ def reference_run(key: str, make) -> Run:
     return _REFERENCE_RUNS[key]
 
 
+def reference_workload(key: str, engine_kwargs: dict, batches, must=None,
+                       why: str = "") -> Run:
+    """kvlab's own run of `batches()` in a fresh engine, once per process. `must(engine, run)`
+    checks that the workload still exercises what the exercise is about (e.g. preemption)."""
+    def make():
+        engine = new_engine(**engine_kwargs)
+        out = run(engine, batches())
+        assert must is None or must(engine, out), why
+        return out
+    return reference_run(key, make)
+
+
+def run_with(engine_kwargs: dict, batches, install):
+    """The same workload in a fresh engine with the participant's piece installed by
+    `install(engine)`; returns (engine, run) for the comparisons and the bookkeeping check."""
+    with one_thread():
+        engine = new_engine(**engine_kwargs)
+        install(engine)
+        return engine, run(engine, batches())
+
+
 def compare_tokens(expected: Run, got: Run, whose: str = "your code") -> None:
     for request_id, tokens in expected.tokens.items():
         mine = got.tokens.get(request_id)

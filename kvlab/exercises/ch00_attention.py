@@ -158,14 +158,14 @@ def _batches():
 
 
 def _real_model(impl) -> None:
-    expected = _engine.reference_run(
-        "paged_attention", lambda: _engine.run(_engine.new_engine(**_ENGINE), _batches()))
-    with _engine.one_thread():
-        engine = _engine.new_engine(**_ENGINE)
+    expected = _engine.reference_workload("paged_attention", _ENGINE, _batches)
+
+    def install(engine):
         backend = _ParticipantDecodeBackend(impl)
         engine.model.attn_backend = backend
         engine.model_runner.attn_backend = backend
-        got = _engine.run(engine, _batches())
+
+    engine, got = _engine.run_with(_ENGINE, _batches, install)
     _engine.compare_tokens(expected, got, "your attention in every decode step")
     _engine.check_bookkeeping(engine)
 

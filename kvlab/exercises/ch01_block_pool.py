@@ -273,22 +273,19 @@ def _tight_batches():
              ("r2", {"prompt_token_ids": prompts[2]}, _engine.GREEDY)]]
 
 
-def _tight_reference():
-    def make():
-        engine = _engine.new_engine(**_TIGHT)
-        out = _engine.run(engine, _tight_batches())
-        assert engine.scheduler.num_preemptions > 0, "the workload no longer preempts"
-        return out
-    return _engine.reference_run("tight_pool", make)
+def _preempts(engine, _run) -> bool:
+    return engine.scheduler.num_preemptions > 0
 
 
 def _pool_real_model(impl) -> None:
-    expected = _tight_reference()
-    with _engine.one_thread():
-        engine = _engine.new_engine(**_TIGHT)
+    expected = _engine.reference_workload("tight_pool", _TIGHT, _tight_batches, _preempts,
+                                          "the workload no longer preempts")
+
+    def install(engine):
         manager = engine.kv_cache_manager
         manager.block_pool = _ParticipantPool(impl(manager.num_blocks), manager.num_blocks)
-        got = _engine.run(engine, _tight_batches())
+
+    engine, got = _engine.run_with(_TIGHT, _tight_batches, install)
     _engine.compare_tokens(expected, got, "your block pool")
     _engine.check_bookkeeping(engine)
 
@@ -458,17 +455,11 @@ def _tight_batches_n1():
 
 
 def _allocate_real_model(impl) -> None:
-    def make():
-        engine = _engine.new_engine(**_TIGHT)
-        out = _engine.run(engine, _tight_batches_n1())
-        assert engine.scheduler.num_preemptions > 0, "the workload no longer preempts"
-        return out
-    expected = _engine.reference_run("tight_pool_n1", make)
-    with _engine.one_thread():
-        engine = _engine.new_engine(**_TIGHT)
+    expected = _engine.reference_workload("tight_pool_n1", _TIGHT, _tight_batches_n1,
+                                          _preempts, "the workload no longer preempts")
+    engine, got = _engine.run_with(_TIGHT, _tight_batches_n1, lambda engine: (
         _engine.install_manager(engine, _engine.make_manager(
-            _ParticipantAllocateManager, engine.config, impl=impl))
-        got = _engine.run(engine, _tight_batches_n1())
+            _ParticipantAllocateManager, engine.config, impl=impl))))
     _engine.compare_tokens(expected, got, "your allocate_slots")
     _engine.compare_traces(expected, got, "with your allocate_slots the engine")
     _engine.check_bookkeeping(engine)

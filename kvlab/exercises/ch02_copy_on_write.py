@@ -125,23 +125,15 @@ def _batches():
     return [[(f"r{i}", {"prompt_token_ids": p}, sample3) for i, p in enumerate(prompts)]]
 
 
-def _reference():
-    def make():
-        engine = _engine.new_engine(**_ENGINE)
-        out = _engine.run(engine, _batches())
-        assert engine.kv_cache_manager.num_cow_copies > 0, "the workload no longer copies"
-        return out
-    return _engine.reference_run("forked_samples", make)
-
-
 def _real_model(manager_cls):
     def run(impl):
-        expected = _reference()
-        with _engine.one_thread():
-            engine = _engine.new_engine(**_ENGINE)
+        expected = _engine.reference_workload(
+            "forked_samples", _ENGINE, _batches,
+            lambda engine, _run: engine.kv_cache_manager.num_cow_copies > 0,
+            "the workload no longer copies")
+        engine, got = _engine.run_with(_ENGINE, _batches, lambda engine: (
             _engine.install_manager(engine, _engine.make_manager(manager_cls, engine.config,
-                                                                 impl=impl))
-            got = _engine.run(engine, _batches())
+                                                                 impl=impl))))
         _engine.compare_tokens(expected, got, "your code")
         _engine.check_bookkeeping(engine)
     return run

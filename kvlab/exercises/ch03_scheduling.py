@@ -247,16 +247,12 @@ def _batches():
 
 
 def _real_model(impl) -> None:
-    def make():
-        engine = _engine.new_engine(**_ENGINE)
-        out = _engine.run(engine, _batches())
-        assert engine.scheduler.num_preemptions > 0, "the workload no longer preempts"
-        return out
-    expected = _engine.reference_run("schedule", make)
-    with _engine.one_thread():
-        engine = _engine.new_engine(**_ENGINE)
-        _engine.install_scheduler(engine, _ParticipantScheduler, impl=impl)
-        got = _engine.run(engine, _batches())
+    expected = _engine.reference_workload(
+        "schedule", _ENGINE, _batches,
+        lambda engine, _run: engine.scheduler.num_preemptions > 0,
+        "the workload no longer preempts")
+    engine, got = _engine.run_with(_ENGINE, _batches, lambda engine: (
+        _engine.install_scheduler(engine, _ParticipantScheduler, impl=impl)))
     _engine.compare_traces(expected, got, "yours")
     _engine.compare_tokens(expected, got, "your scheduler")
     _engine.check_bookkeeping(engine)

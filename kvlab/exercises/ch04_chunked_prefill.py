@@ -142,12 +142,9 @@ def _batches():
 
 
 def _real_model(impl) -> None:
-    expected = _engine.reference_run(
-        "chunked_prefill", lambda: _engine.run(_engine.new_engine(**_ENGINE), _batches()))
-    with _engine.one_thread():
-        engine = _engine.new_engine(**_ENGINE)
-        _engine.install_scheduler(engine, _ParticipantChunkScheduler, impl=impl)
-        got = _engine.run(engine, _batches())
+    expected = _engine.reference_workload("chunked_prefill", _ENGINE, _batches)
+    engine, got = _engine.run_with(_ENGINE, _batches, lambda engine: (
+        _engine.install_scheduler(engine, _ParticipantChunkScheduler, impl=impl)))
     _engine.compare_traces(expected, got, "yours")
     _engine.compare_tokens(expected, got, "your budget split")
     _engine.check_bookkeeping(engine)

@@ -200,12 +200,6 @@ def _batches():
     return batches
 
 
-def _prefix_reference():
-    def make():
-        out = _engine.run(_engine.new_engine(**_ENGINE), _batches())
-        assert out.cached["doc-a-again"] > 0 and out.cached["doc-b"] == 0
-        return out
-    return _engine.reference_run("prefix_cache", make)
 
 
 def _compare_cached(expected, got) -> None:
@@ -217,12 +211,12 @@ def _compare_cached(expected, got) -> None:
 
 def _real_model(manager_cls):
     def run(impl):
-        expected = _prefix_reference()
-        with _engine.one_thread():
-            engine = _engine.new_engine(**_ENGINE)
+        expected = _engine.reference_workload(
+            "prefix_cache", _ENGINE, _batches,
+            lambda _e, out: out.cached["doc-a-again"] > 0 and out.cached["doc-b"] == 0)
+        engine, got = _engine.run_with(_ENGINE, _batches, lambda engine: (
             _engine.install_manager(engine, _engine.make_manager(manager_cls, engine.config,
-                                                                 impl=impl))
-            got = _engine.run(engine, _batches())
+                                                                 impl=impl))))
         _compare_cached(expected, got)
         _engine.compare_tokens(expected, got, "your code")
         _engine.check_bookkeeping(engine)
