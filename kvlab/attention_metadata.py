@@ -24,6 +24,8 @@ class CommonAttentionMetadata:
     block_size: int
     num_blocks: int  # blocks in the pool
     device: torch.device
+    layer_kv_bytes_per_token: int | None = None  # one layer's K and V of one token (None: unknown)
+    dtype: torch.dtype = torch.float32  # the KV pool's (and the queries') dtype
 
     @property
     def num_seqs(self) -> int:

@@ -71,6 +71,11 @@ class EngineConfig:
     # pool in place (the GPU path; on a CPU it runs eagerly, slowly, as a check). Tests prove
     # all three give transformers' tokens.
     backend: str = "auto"
+    # vLLM's name (vllm/config/model.py: enforce_eager, default False there: compile and
+    # capture CUDA graphs). Here only `backend="flex"` has a compiled form. None: compile it
+    # where that pays, on CUDA; True: never compile; False: compile on a CPU too (inductor's
+    # C++ FlexAttention kernel; `python -m kvlab.bench compiled-flex` measures it).
+    enforce_eager: bool | None = None
     # kvlab-only: how the n samples of SamplingParams(n > 1) share their prompt (chapter 02).
     # "fork": the PagedAttention paper's way (and vLLM v0's): the prompt is computed once and
     # the samples fork its block table, the partly filled last block included; copy-on-write
@@ -96,6 +101,8 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, minimum=0)
         check_choice("backend", self.backend, BACKENDS)
+        if self.enforce_eager is not None:
+            check_bool("enforce_eager", self.enforce_eager)
         check_choice("parallel_sampling", self.parallel_sampling, PARALLEL_SAMPLING)
         check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, HASH_ALGOS)
         if self.enable_prefix_caching and self.kv_layout == "contiguous":

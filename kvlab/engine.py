@@ -53,7 +53,8 @@ class LLMEngine:
         self.loaded = load_model(config.model, config.device, config.dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model = Transformer(self.loaded, fast=config.backend != "reference",
-                                 attn_backend=get_attention_backend(config.backend))
+                                 attn_backend=get_attention_backend(config.backend,
+                                                                    config.enforce_eager))
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
         config.resolve(
@@ -84,6 +85,9 @@ class LLMEngine:
         # The most recent steps, for plots; bounded so a long-lived engine does not grow.
         self.step_trace: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
+        # The last step's decision, kept for reading only (the engine explorer in
+        # kvlab/explorer.py draws its token budget, preemptions and copies); never fed back.
+        self.last_scheduler_output: SchedulerOutput | None = None
 
     def _default_kv_tokens(self) -> int:
         if self.device.type == "cuda":
@@ -200,6 +204,7 @@ class LLMEngine:
         """Schedule, run the model once, update the requests, and report those that changed."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.last_scheduler_output = sched
         if not sched.scheduled:
             return []
         try:
@@ -325,6 +330,7 @@ class LLM:
         dtype: str = "auto",
         seed: int = 0,
         backend: str = "auto",
+        enforce_eager: bool | None = None,
         parallel_sampling: str = "fork",
     ) -> None:
         config = EngineConfig(  # validates every knob before anything is loaded
@@ -335,7 +341,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo, scheduling=scheduling,
             device=device, dtype=dtype, seed=seed, backend=backend,
-            parallel_sampling=parallel_sampling,
+            enforce_eager=enforce_eager, parallel_sampling=parallel_sampling,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0

@@ -36,6 +36,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.kv_cache_manager = kv_cache_manager  # read only: the block tables
         self.block_size = kv_cache_manager.block_size
+        # (layers, 2, blocks, block_size, Hkv, D): K and V of one token in one layer
+        self.layer_kv_bytes_per_token = kv_cache[0, :, 0, 0].numel() * kv_cache.element_size()
         self.device = device
         self.sampler = sampler
         self.last_forward_time = 0.0
@@ -71,6 +73,8 @@ class ModelRunner:
             block_size=bs,
             num_blocks=self.kv_cache.shape[2],
             device=dev,
+            layer_kv_bytes_per_token=self.layer_kv_bytes_per_token,
+            dtype=self.kv_cache.dtype,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -581,3 +581,79 @@ def plot_peers(peers: dict, ceiling: dict):
         ax.grid(alpha=0.3, axis="x" if ax is ax1 else "y")
     fig.tight_layout()
     return fig
+
+
+def plot_serve_peers(rows: list[dict]):
+    """Two servers through one streaming client (kvlab.bench.serve_peers, notebook 07): output
+    tokens/s, TTFT and ITL by concurrency, bars grouped by concurrency, one colour per server.
+    Latency bars are medians, their whiskers reach the p90."""
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    width = 0.8 / max(len(servers), 1)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    panels = (("output_tok_s", None, "output tokens/s"),
+              ("ttft_median_ms", "ttft_p90_ms", "TTFT (ms)"),
+              ("itl_median_ms", "itl_p90_ms", "ITL (ms)"))
+    for ax, (key, p90, label) in zip(axes, panels):
+        for i, name in enumerate(servers):
+            here = [j for j, c in enumerate(levels)
+                    if (name, c) in by and by[(name, c)][key] is not None]
+            xs = [j + (i - (len(servers) - 1) / 2) * width for j in here]
+            pts = [by[(name, levels[j])] for j in here]
+            values = [r[key] for r in pts]
+            yerr = None if p90 is None else [[0] * len(pts), [r[p90] - r[key] for r in pts]]
+            bars = ax.bar(xs, values, width, yerr=yerr, capsize=3, color=_colour(i), label=name)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7, label_type="center")
+        ax.set_xticks(range(len(levels)), [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label if p90 is None else f"{label}: median, whisker p90")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline_sweep(results: dict):
+    """Decode throughput by batch against this machine's ceilings (notebook 07, `python -m kvlab.bench roofline`).
+
+    `results` is `kvlab.bench.roofline.roofline(...)`'s output. Left: decode tokens/s at the
+    sweep's context by running batch, with the two ceilings measured in the same run (arithmetic
+    at torch.mm's rate or at the fastest matmul, weights and K/V read once at the copy
+    bandwidth), and the other contexts measured as single points. Right: each batch's step as a
+    share of each ceiling."""
+    ctx = results["context"]
+    rows = sorted((r for r in results["rows"] if abs(r["context"] - ctx) <= 8),
+                  key=lambda r: r["batch"])
+    others = [r for r in results["rows"] if abs(r["context"] - ctx) > 8]
+    batches = [r["batch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    ax1.plot(batches, [r["tok_s"] for r in rows], "o-", color=_colour(0),
+             label=f"kvlab, context {ctx}")
+    for key, style, name in (("mm", "--", "torch.mm rate"), ("peak", ":", "fastest matmul")):
+        ax1.plot(batches, [1000 * r["batch"] / r[f"ceiling_ms_{key}"] for r in rows], style,
+                 color="k", label=f"ceiling ({name})")
+    for i, c in enumerate(sorted({r["context"] for r in others})):
+        pts = [r for r in others if r["context"] == c]
+        ax1.plot([r["batch"] for r in pts], [r["tok_s"] for r in pts], "s", ms=5,
+                 color=_colour(i + 1), label=f"kvlab, context {c}")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(batches, [str(b) for b in batches])
+    ax1.set_xlabel("running requests (decode batch)")
+    ax1.set_ylabel("decode tokens/s")
+    ax1.legend(fontsize=7)
+    ax1.grid(alpha=0.3)
+    width = 0.4
+    for i, (key, name) in enumerate((("mm", "of ceiling (torch.mm rate)"),
+                                     ("peak", "of ceiling (fastest matmul)"))):
+        xs = [j + (i - 0.5) * width for j in range(len(rows))]
+        bars = ax2.bar(xs, [100 * r[f"fraction_{key}"] for r in rows], width,
+                       color=_colour(i), label=name)
+        ax2.bar_label(bars, fmt="%.0f%%", fontsize=7)
+    ax2.set_xticks(range(len(rows)), [str(b) for b in batches])
+    ax2.set_xlabel(f"running requests (context {ctx})")
+    ax2.set_ylabel("share of the ceiling (%)")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig

@@ -1,33 +1,169 @@
-"""Execute notebooks top to bottom on this machine and save them clean (what is committed).
+"""Execute notebooks top to bottom on this machine, save them clean, and record their wall times.
 
-    python scripts/execute_notebooks.py notebooks/*.ipynb      (or: make execute)
+    python scripts/execute_notebooks.py                      (or: make execute) every chapter
+    python scripts/execute_notebooks.py notebooks/03_*.ipynb one chapter
+    python scripts/execute_notebooks.py --render-only        only rewrite the docs' minutes
 
 Clean means: kernel name python3, execution counts kept, `metadata.widgets` removed (GitHub
 refuses to render a notebook whose widget metadata carries no state).
+
+Each notebook's wall time (kernel start included) goes into notebooks/timings.json with the
+machine, the date and the 1-minute load average just before it started (notebooks run back to
+back, so that average includes the previous notebook's own kernel; it is kept as a hint, not a
+proof of a quiet machine). The "minutes here" column of the chapter tables in README.md and
+notebooks/FACILITATOR.md, and the line between their `<!-- timings -->` markers, are rewritten
+from that file after every notebook; tests/test_workshop.py checks that they agree with it. Run
+it alone on a quiet machine: the times are what the README promises. It refuses to run with
+KVLAB_SIZE set to anything but "full": the committed outputs are the full run.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
 import sys
 import time
 from pathlib import Path
 
-import nbformat
-from nbclient import NotebookClient
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+TIMINGS = NOTEBOOKS / "timings.json"
+DOCS = (ROOT / "README.md", NOTEBOOKS / "FACILITATOR.md")
+COLUMN = "minutes here"
+MARKERS = ("<!-- timings -->", "<!-- /timings -->")
 
 
-def execute(path: Path) -> None:
+def execute(path: Path) -> float:
+    """Run one notebook in a fresh python3 kernel, in its own folder; save it; return seconds."""
+    import nbformat
+    from nbclient import NotebookClient
+
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
+    seconds = time.perf_counter() - t0
     nb.metadata.pop("widgets", None)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                  "language": "python"}
     nbformat.write(nb, path)
-    print(f"{path}: executed in {time.perf_counter() - t0:.0f} s", flush=True)
+    return seconds
+
+
+def machine() -> str:
+    """What ran the notebooks, in words: CPU model, cores, OS (the README quotes it)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def load_timings(path: Path) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"machine": None, "notebooks": {}}
+
+
+def record(timings: dict, stem: str, seconds: float, load: float) -> None:
+    timings["machine"] = machine()
+    timings["notebooks"][stem] = {"seconds": round(seconds, 1),
+                                  "date": datetime.date.today().isoformat(),
+                                  "load_1min_before": round(load, 2)}
+    timings["notebooks"] = dict(sorted(timings["notebooks"].items()))
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f}"
+
+
+def summary(timings: dict) -> str:
+    """The words between the markers: where, when, and the whole workbook's time."""
+    runs = timings["notebooks"]
+    if not runs:
+        return "not measured yet (`python scripts/execute_notebooks.py` measures them)."
+    dates = sorted({r["date"] for r in runs.values()})
+    total = sum(r["seconds"] for r in runs.values())
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return (f"each notebook executed top to bottom by "
+            f"`scripts/execute_notebooks.py` on {timings['machine']}, {when}; "
+            f"{len(runs)} notebook{'s' if len(runs) > 1 else ''}, {minutes(total)} minutes in all.")
+
+
+def render(text: str, timings: dict) -> str:
+    """`text` with every "minutes here" cell and the marked summary filled from `timings`.
+
+    A table takes part when its header has a "minutes here" column; its rows name a notebook
+    in their first cell (`00_the_model_and_its_kv_cache`) or are a "total" row. Anything else
+    is left as it is, so other columns can be edited freely.
+    """
+    runs = timings["notebooks"]
+    out, column = [], None
+    for line in text.splitlines(keepends=True):
+        cells = line.rstrip("\n").split("|")
+        if not line.startswith("|"):
+            column = None
+        elif column is None:
+            names = [c.strip() for c in cells]
+            column = names.index(COLUMN) if COLUMN in names else None
+        elif column < len(cells) and not set(cells[column].strip()) <= set("-: "):
+            key = cells[1].strip().strip("`*")
+            if key in runs:
+                value = minutes(runs[key]["seconds"])
+            elif key == "total" and runs:
+                value = minutes(sum(r["seconds"] for r in runs.values()))
+            else:
+                value = "–"
+            cells[column] = f" {value} "
+            line = "|".join(cells) + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    text = "".join(out)
+    start, end = (re.escape(m) for m in MARKERS)
+    return re.sub(f"{start}.*?{end}", lambda _: f"{MARKERS[0]}{summary(timings)}{MARKERS[1]}",
+                  text, flags=re.S)
+
+
+def render_docs(timings: dict, docs=DOCS) -> None:
+    for doc in docs:
+        if doc.exists():
+            doc.write_text(render(doc.read_text(encoding="utf-8"), timings), encoding="utf-8")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="default: every chapter in notebooks/")
+    parser.add_argument("--timings", type=Path, default=TIMINGS,
+                        help="where the wall times are kept (default: notebooks/timings.json)")
+    parser.add_argument("--docs", type=Path, nargs="*", default=list(DOCS),
+                        help="files whose 'minutes here' column is rewritten (default: README.md "
+                             "notebooks/FACILITATOR.md; none: --docs with no file)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="execute nothing: rewrite the docs from the timings file")
+    args = parser.parse_args(argv)
+    timings = load_timings(args.timings)
+    if not args.render_only and os.environ.get("KVLAB_SIZE", "full").strip().lower() != "full":
+        parser.error(f"KVLAB_SIZE={os.environ['KVLAB_SIZE']!r}: the committed notebooks are the "
+                     "full run; unset it (or set it to full) to execute them")
+    if not args.render_only:
+        for path in args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+            load = os.getloadavg()[0]
+            seconds = execute(path)
+            print(f"{path}: executed in {seconds:.0f} s (load {load:.2f} before)", flush=True)
+            record(timings, path.stem, seconds, load)
+            # Written after every notebook: an interrupted run keeps what it measured.
+            args.timings.write_text(json.dumps(timings, indent=2) + "\n")
+            render_docs(timings, args.docs)
+    render_docs(timings, args.docs)
 
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        execute(Path(arg))
+    main(sys.argv[1:])

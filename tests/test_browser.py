@@ -1,5 +1,6 @@
 """The workbook in a real browser: JupyterLab from this environment, notebook 01 run in headless
-Chromium, the block-size slider moved, the output checked to change, a screenshot saved.
+Chromium, the block-size slider moved, the output checked to change, a screenshot saved; and the
+engine explorer stepped by its buttons, its queue text checked against the engine's state.
 
 Needs Debian's `chromium` (`.ci/run` installs it). Without it the test is skipped with a reason,
 unless KVLAB_REQUIRE_BROWSER=1 (as in CI), where a missing browser is a failure.
@@ -8,16 +9,13 @@ unless KVLAB_REQUIRE_BROWSER=1 (as in CI), where a missing browser is a failure.
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import secrets
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from labserver import running_jupyterlab
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("KVLAB_CHROMIUM", "/usr/bin/chromium")
@@ -41,46 +39,21 @@ def require_browser():
         pytest.skip(missing)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def jupyterlab(tmp_path):
     """JupyterLab on localhost over a copy of the notebooks (the repo's files stay untouched)."""
     require_browser()
     work = tmp_path / "notebooks"
     shutil.copytree(ROOT / "notebooks", work, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    token, port = secrets.token_hex(16), free_port()
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           f"--ServerApp.token={token}", f"--notebook-dir={work}",
-           "--ServerApp.open_browser=False", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-root")
-    log = open(tmp_path / "jupyterlab.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work,
-                            env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError((tmp_path / "jupyterlab.log").read_text()[-2000:])
-                time.sleep(0.5)
-        yield base, token
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with running_jupyterlab(tmp_path, work, [
+            f"--notebook-dir={work}", "--ServerApp.open_browser=False", "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]) as server:
+        yield server
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-quic"]
 
 
 def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
@@ -89,11 +62,7 @@ def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
     base, token = jupyterlab
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run",
-                  "--disable-quic"])
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
             page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
@@ -122,3 +91,101 @@ def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
             browser.close()
     assert before != after
     assert "block_size= 16" in before and "block_size= 20" in after
+
+
+# A two-cell notebook: the explorer over a small engine holding two requests, then a cell that
+# prints the engine's queues straight from its scheduler (not through the explorer).
+EXPLORER_CELLS = [
+    """from kvlab import LLM, widgets
+from kvlab.explorer import EngineExplorer
+
+llm = LLM(block_size=4, kv_cache_tokens=128, max_model_len=64)
+ex = EngineExplorer(llm, max_tokens=6)
+ex.add_request("The capital of France is")
+ex.add_request("Paged attention stores keys and values in")
+widgets.engine_explorer(ex, prompt="Tell me a story")""",
+    """engine = llm.llm_engine
+print("ENGINE step", engine.num_steps)
+print("ENGINE running", [r.request_id for r in engine.scheduler.running])
+print("ENGINE waiting", [r.request_id for r in engine.scheduler.waiting])""",
+]
+
+
+def wait_until(check, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+def queue_ids(text: str, queue: str) -> list[str]:
+    """Request ids on the explorer's `running (n): ...` or `waiting (n): ...` line."""
+    line = next(x for x in text.splitlines() if x.startswith(f"{queue} ("))
+    return re.findall(r"(\S+) \[", line.split(":", 1)[1])
+
+
+def test_engine_explorer_buttons_step_the_engine_in_the_browser(jupyterlab, tmp_path):
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    base, token = jupyterlab
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in EXPLORER_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "notebooks" / "explorer_check.ipynb")
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        try:
+            page.goto(f"{base}/lab/tree/explorer_check.ipynb?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            time.sleep(2)  # let the kernel connect
+            page.click("li.lm-MenuBar-item:has-text('Run')")
+            page.click(".lm-Menu-item:has-text('Run All Cells')")
+            notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+            box = notebook.locator(".kvlab-explorer").first
+            box.wait_for(timeout=240_000)
+            queues = box.locator(".kvlab-explorer-queues")
+            picture = box.locator(".kvlab-explorer-picture img").first
+            picture.wait_for(timeout=60_000)
+            assert queues.inner_text().startswith("step 0")
+            before = picture.get_attribute("src")
+
+            def press(name: str, until: str):
+                box.get_by_role("button", name=name, exact=True).click()
+                wait_until(lambda: until in queues.inner_text(), 120, f"{until!r} after {name}")
+
+            press("Step", "step 1\n")
+            press("Step", "step 2\n")
+            press("Add request", "waiting (1): r2 [")
+            press("Step", "step 3\n")
+            wait_until(lambda: picture.get_attribute("src") != before, 60, "a new picture")
+            after = picture.get_attribute("src")
+            shown = queues.inner_text()
+
+            # Now ask the engine itself, from the second cell.
+            cell = notebook.locator(".jp-CodeCell").filter(has_text='print("ENGINE step"').first
+            cell.scroll_into_view_if_needed()
+            cell.locator(".jp-InputPrompt").first.click()  # select the cell, then run it
+            page.keyboard.press("Shift+Enter")
+            wait_until(lambda: "ENGINE step 3" in cell.locator(".jp-OutputArea").inner_text(),
+                       120, "the engine's own report")
+            report = cell.locator(".jp-OutputArea").inner_text()
+            box.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOT_DIR / "engine_explorer.png"), full_page=False)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOT_DIR / "engine_explorer_failure.png"))
+            raise
+        finally:
+            browser.close()
+    assert before.startswith("data:image/png") and after != before  # the picture was redrawn
+    engine_running = re.search(r"ENGINE running \[(.*)\]", report).group(1)
+    engine_waiting = re.search(r"ENGINE waiting \[(.*)\]", report).group(1)
+    assert queue_ids(shown, "running") == re.findall(r"'([^']+)'", engine_running)
+    assert queue_ids(shown, "waiting") == re.findall(r"'([^']+)'", engine_waiting)
+    assert "r2" in queue_ids(shown, "running")  # the request added by the button was admitted

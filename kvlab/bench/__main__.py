@@ -78,11 +78,18 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the rows to this file")
-    p = sub.add_parser("sched", help="issue 4's targets: continuous batching, stall, overhead")
+    p = sub.add_parser("sched", help="continuous batching, stall, overhead against their targets")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
-    p = sub.add_parser("prefix", help="issue 5's targets: cold/warm TTFT, cost with no sharing, salts")
+    p = sub.add_parser("prefix", help="prefix caching: cold/warm TTFT, cost with no sharing, salts")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
+    p = sub.add_parser("compiled-flex", help="compiled FlexAttention on this machine: graphs "
+                                             "compiled over a varied run, tokens against "
+                                             "reference, time against the default path")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
     p = sub.add_parser("client", help="stream requests to any OpenAI-compatible endpoint")
@@ -104,9 +111,27 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.csv")
     p = sub.add_parser("peers", help="kvlab vs transformers generate and generate_batch, and "
-                                     "kvlab's fraction of this machine's ceiling")
+                                     "kvlab's fraction of this machine's ceiling (the roofline "
+                                     "sweep first)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
+    p = sub.add_parser("roofline", help="decode steps by batch and context against "
+                                        "this machine's roofline, cost per context token, "
+                                        "engine overhead, mixed steps")
+    p.add_argument("--attention", choices=["current", "padded"], default="current",
+                   help="padded: the older decode path (a padded copy per layer), for a before/after")
+    p.add_argument("--no-mixed", action="store_true", help="skip the mixed-step measurement")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
+    p = sub.add_parser("serve-peers", help="kvlab serve vs transformers serve: one streaming "
+                                           "client, TTFT, ITL and tokens/s by concurrency")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="per concurrency (default: three waves, at least 8)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--words", type=int, default=96, help="words per prompt")
+    p.add_argument("--model", default=None, help="a local folder (default: the packaged model)")
     p.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     if args.command == "reproduce":
@@ -119,15 +144,36 @@ def main(argv=None) -> None:
             parser.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
         run_experiments(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
         return
-    if args.command == "peers":
+    if args.command == "serve-peers":
+        from kvlab.bench import serve_peers
+
+        rows = serve_peers.compare_servers(
+            tuple(args.concurrency), args.max_tokens, args.words,
+            args.num_requests or serve_peers.default_num_requests, args.model)
+        print(serve_peers.report(rows), flush=True)
+    elif args.command == "peers":
         from kvlab.bench import peers
 
-        rows = {"ceiling": peers.ceiling_fraction(model=args.model)}
+        from kvlab.bench.roofline import roofline
+
+        log = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
+        rows = {"roofline": roofline(args.model, log=log)}
+        rows["ceiling"] = peers.ceiling_fraction(model=args.model)
         print(json.dumps(rows["ceiling"]), flush=True)
         rows["peers"] = peers.compare_peers(repeats=args.repeats, model=args.model)
         print(json.dumps(rows["peers"]), flush=True)
+    elif args.command == "roofline":
+        from kvlab.bench.roofline import PaddedDecodeBackend, roofline
+
+        rows = roofline(args.model, mixed=not args.no_mixed,
+                        attention=PaddedDecodeBackend if args.attention == "padded" else None,
+                        log=lambda row: print(json.dumps(row), flush=True))
     elif args.command == "client":
         rows = client_benchmark(args)
+    elif args.command == "compiled-flex":
+        from kvlab.bench.compiled_flex import compiled_flex_report
+
+        rows = compiled_flex_report(args.steps, args.repeats, args.model)
     elif args.command == "prefix":
         rows = prefix_targets(args.model)
     elif args.command == "speed":

@@ -1,0 +1,420 @@
+"""The engine explorer: step a real engine and see its KV pool, queues and token budget.
+
+Introduced in notebook 01 and used again in 02-05 (each chapter points it at its own
+mechanism: paged filling, fork and copy-on-write, admission and preemption, chunks, prefix hits
+and eviction). Three layers, so that everything but the buttons is tested without a browser:
+
+- `snapshot(engine, ...)` reads an `LLMEngine` into an `EngineSnapshot`: plain Python data,
+  the pool block by block, the queues, the last step's token budget and what happened in it.
+  It only reads; stepping the engine is someone else's job.
+- `draw_snapshot(snap)` and `format_queues(snap)` are pure functions of a snapshot.
+- `EngineExplorer` drives an engine (add_request / step / run_to_end / reset) and returns a
+  fresh snapshot after each call. `kvlab.widgets.engine_explorer` wires buttons to it.
+
+vLLM has no such view; the pieces it reads are vLLM's own: the block pool's ref counts and free
+queue (`vllm/v1/core/block_pool.py`), the block tables (`vllm/v1/core/kv_cache_manager.py`) and
+the `SchedulerOutput` of one step (`vllm/v1/core/sched/output.py`).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.transforms import offset_copy
+
+from kvlab.sampling import SamplingParams
+from kvlab.viz import _colour, format_block_tables
+
+# Block states, in the order the legend lists them.
+FREE, CACHED, HELD, SHARED = "free", "cached", "held", "shared"
+SHARED_COLOUR = "#37474f"  # a shared block belongs to several requests: no one request's colour
+DECODE_COLOUR, PREFILL_COLOUR = "#1f77b4", "#ff7f0e"
+COPY_EDGE = "magenta"  # a copied block's edge: no request colour (tab20) is magenta
+MAX_EVENTS_DRAWN = 12
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """One physical block as the snapshot saw it."""
+
+    block_id: int
+    ref_cnt: int
+    owners: tuple[str, ...]  # request ids whose block table holds it (several when shared)
+    num_filled: int  # slots holding computed K/V, for the most advanced owner
+    key: str | None  # its prefix-cache key, in hex; None when it has none
+    just_copied: bool  # written by a copy (copy-on-write, or a fork copy) in the last step
+
+    @property
+    def state(self) -> str:
+        if self.ref_cnt == 0:
+            # A free block that still holds a keyed prefix can be hit again until it is reused:
+            # cached but evictable (chapter 05). A free block without a key is just free.
+            return CACHED if self.key is not None else FREE
+        return SHARED if self.ref_cnt > 1 else HELD
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    status: str  # "waiting" | "running"
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V is in the pool
+    num_output_tokens: int
+    max_tokens: int
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something one step (or the explorer) did. kind: added, admitted, prefix_hit, forked,
+    preempted, copy_on_write, fork_copy, evicted, finished, reset."""
+
+    step: int
+    kind: str
+    request_id: str | None
+    detail: str = ""
+    num_tokens: int = 0  # prefix_hit: the prompt tokens found in the cache
+
+    def __str__(self) -> str:
+        who = f" {self.request_id}" if self.request_id else ""
+        return f"step {self.step}: {self.kind.replace('_', ' ')}{who}" + (
+            f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class EngineSnapshot:
+    """What the explorer draws: plain data, read from an engine right after a step."""
+
+    step: int  # engine steps taken so far
+    block_size: int
+    kv_layout: str
+    blocks: list[BlockView]
+    block_tables: dict[str, list[int]]  # running requests only, admission order
+    waiting: list[str]  # queue order: the head is admitted first
+    running: list[str]  # admission order: the last is preempted first
+    requests: dict[str, RequestView]  # every waiting and running request
+    # The last step's token budget (vLLM's max_num_batched_tokens) and how it was spent.
+    token_budget: int
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt, prompt chunk, or recompute after a preemption
+    events: list[Event] = field(default_factory=list)
+    # Request id -> colour index, kept from snapshot to snapshot so a request keeps its colour.
+    colours: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def count(self, state: str) -> int:
+        return sum(1 for b in self.blocks if b.state == state)
+
+
+def _key(block_hash: bytes | None) -> str | None:
+    return None if block_hash is None else block_hash.hex()
+
+
+def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None = None,
+             extra_events: list[Event] = ()) -> EngineSnapshot:
+    """Read `engine` (an `LLMEngine`) into an `EngineSnapshot`, without changing it.
+
+    Pass the step's `SchedulerOutput` (`engine.last_scheduler_output`) right after
+    `engine.step()` for the token budget and the step's preemptions, forks, copies and
+    finishes. Admissions, prefix hits and evictions are differences from the state before the
+    step, so they need `previous`, the snapshot taken then (`EngineExplorer` keeps it).
+    """
+    sched = last_scheduler_output
+    scheduler, kv = engine.scheduler, engine.kv_cache_manager
+    pool, bs = kv.block_pool, kv.block_size
+    live = list(scheduler.running) + list(scheduler.waiting)
+    computed = {r.request_id: r.num_computed_tokens for r in live}
+    owners: dict[int, list[str]] = {}
+    filled: dict[int, int] = {}
+    for rid, blocks in kv.req_to_blocks.items():
+        n = computed.get(rid, 0)
+        for i, blk in enumerate(blocks):
+            owners.setdefault(blk.block_id, []).append(rid)
+            filled[blk.block_id] = max(filled.get(blk.block_id, 0), max(0, min(bs, n - i * bs)))
+    copies = [] if sched is None else list(sched.fork_copies) + list(sched.cow_copies)
+    copied = {dst for _, dst in copies}
+    blocks = [BlockView(blk.block_id, blk.ref_cnt, tuple(owners.get(blk.block_id, ())),
+                        filled.get(blk.block_id, 0), _key(blk.block_hash),
+                        blk.block_id in copied)
+              for blk in pool.blocks]
+    requests = {
+        r.request_id: RequestView(r.request_id, "running" if r in scheduler.running else "waiting",
+                                  r.num_prompt_tokens, r.num_computed_tokens,
+                                  len(r.output_token_ids), r.sampling_params.max_tokens,
+                                  r.cache_salt)
+        for r in live
+    }
+    colours = dict(previous.colours) if previous is not None else {}
+    for rid in [*requests, *(o for b in blocks for o in b.owners)]:
+        colours.setdefault(rid, len(colours))
+
+    step = engine.num_steps
+    events = list(extra_events)
+    num_decode = num_prefill = 0
+    if sched is not None:
+        num_decode = sched.num_decode_tokens
+        num_prefill = sched.total_num_scheduled_tokens - num_decode
+        events += _step_events(step, sched, previous, kv)
+    if previous is not None:
+        # A block that was free but still keyed, and has lost or changed its key, was handed
+        # to someone else: its cached prefix is gone (LRU eviction, chapter 05).
+        for before, now in zip(previous.blocks, blocks):
+            if before.state == CACHED and now.key != before.key:
+                holder = f", now held by {now.owners[0]}" if now.owners else ""
+                events.append(Event(step, "evicted", None, f"block {now.block_id}, key "
+                                                           f"{before.key[:4]}{holder}"))
+    return EngineSnapshot(
+        step=step, block_size=bs, kv_layout=engine.config.kv_layout, blocks=blocks,
+        block_tables={r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running},
+        waiting=[r.request_id for r in scheduler.waiting],
+        running=[r.request_id for r in scheduler.running],
+        requests=requests, token_budget=engine.config.max_num_batched_tokens,
+        num_decode_tokens=num_decode, num_prefill_tokens=num_prefill, events=events,
+        colours=colours,
+        stats={"num_preemptions": scheduler.num_preemptions, "num_cow_copies": kv.num_cow_copies,
+               "prefix_cache_hits": kv.prefix_cache_hits},  # first admissions, as vLLM
+    )
+
+
+def _step_events(step: int, sched, previous: EngineSnapshot | None, kv) -> list[Event]:
+    """What one SchedulerOutput did, read after the step ran (requests have advanced)."""
+    events = [Event(step, "preempted", r.request_id, "its blocks freed; it will recompute")
+              for r in sched.preempted]
+    if previous is not None:
+        for r, num_new in sched.scheduled:
+            if r.request_id in previous.running:
+                continue
+            # Admitted this step. The scheduler set num_computed_tokens to the prefix-cache
+            # hit, then the step computed num_new more: the hit is what is left.
+            before = previous.requests.get(r.request_id)
+            hit = r.num_computed_tokens - num_new - (before.num_computed_tokens if before else 0)
+            events.append(Event(step, "admitted", r.request_id,
+                                f"{num_new} token{'s' * (num_new != 1)} this step"))
+            if hit > 0:
+                events.append(Event(step, "prefix_hit", r.request_id,
+                                    f"{hit} prompt tokens found in the cache", num_tokens=hit))
+    for parent, children in sched.forked.items():
+        events.append(Event(step, "forked", parent,
+                            "shares its blocks with " + ", ".join(c.request_id for c in children)))
+    owner = {blk.block_id: rid for rid, blocks in kv.req_to_blocks.items() for blk in blocks}
+    for kind, pairs in (("fork_copy", sched.fork_copies), ("copy_on_write", sched.cow_copies)):
+        for src, dst in pairs:
+            events.append(Event(step, kind, owner.get(dst), f"block {src} -> {dst}"))
+    seen = set()
+    for r, _ in sched.scheduled:
+        for x in [r, *sched.forked.get(r.request_id, [])]:
+            if x.is_finished and x.request_id not in seen:
+                seen.add(x.request_id)
+                events.append(Event(step, "finished", x.request_id,
+                                    f"{x.finish_reason}, {len(x.output_token_ids)} tokens"))
+    return events
+
+
+# ---- pictures: pure functions of a snapshot ------------------------------------------------
+def format_queues(snap: EngineSnapshot) -> str:
+    """The queues as text, one line each: what the widget prints above the picture."""
+
+    def describe(rid: str) -> str:
+        r = snap.requests[rid]
+        return (f"{rid} [{r.num_computed_tokens}/{r.num_prompt_tokens + r.num_output_tokens} "
+                f"tokens in KV, {r.num_output_tokens}/{r.max_tokens} out]")
+
+    running = ", ".join(describe(r) for r in snap.running) or "-"
+    waiting = ", ".join(describe(r) for r in snap.waiting) or "-"
+    return (f"step {snap.step}\n"
+            f"running ({len(snap.running)}): {running}\n"
+            f"waiting ({len(snap.waiting)}): {waiting}")
+
+
+def _block_colour(snap: EngineSnapshot, owner: str):
+    return _colour(snap.colours.get(owner, 0))
+
+
+def _text_lines(ax, x: float, lines: list[tuple[str, object]]) -> None:
+    """Monospace lines from the top of `ax`, each in its own colour, 9 points apart."""
+    for i, (line, colour) in enumerate(lines):
+        ax.text(x, 1, line, va="top", family="monospace", fontsize=6.5, color=colour,
+                transform=offset_copy(ax.transAxes, fig=ax.figure, y=-9 * i, units="points"))
+
+
+def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
+    """The snapshot as one figure: the pool as a grid of blocks, the step's token budget as a
+    bar, then the queues, the block tables (each in its request's colour) and the step's
+    events. Reads only `snap`.
+
+    Blocks: white = free; grey, dotted = cached but free (a later request can still hit it; it
+    is evicted when it reaches the free queue's head); a request's colour = held (solid part:
+    slots holding K/V; pale part: taken, not yet written); dark with "xN" = shared by N block
+    tables; a magenta edge = written by a copy in the last step (copy-on-write). A dot in the
+    corner: the block has a prefix-cache key. Small grey numbers are block ids.
+    """
+    n = len(snap.blocks)
+    columns = 16 if n <= 64 else 32
+    small = columns == 16
+    rows = -(-n // columns)
+
+    black = "black"
+    left = [(line, black) for q in format_queues(snap).splitlines()
+            for line in textwrap.wrap(q, 92, subsequent_indent="    ")]
+    left += [("", black), ("block tables (logical -> physical block):", black)]
+    refs = [b.ref_cnt for b in snap.blocks]
+    for rid, table in snap.block_tables.items():
+        left.append((format_block_tables({rid: table}, max_entries=16, ref_cnts=refs),
+                     _block_colour(snap, rid)))
+    if not snap.block_tables:
+        left.append(("(none)", black))
+    events = snap.events[-MAX_EVENTS_DRAWN:]
+    right = [("events", black)]
+    if len(snap.events) > len(events):
+        right.append((f"... {len(snap.events) - len(events)} earlier", black))
+    right += [(line, black) for e in events
+              for line in textwrap.wrap(str(e), 70, subsequent_indent="    ")]
+    if not events:
+        right.append(("(none)", black))
+
+    heights = [(rows + 1.2) * (0.42 if small else 0.27), 0.5,
+               0.125 * max(len(left), len(right)) + 0.1]
+    fig = plt.figure(figsize=(10, sum(heights) + 0.9))
+    grid = fig.add_gridspec(3, 1, height_ratios=heights, hspace=0.5, left=0.02, right=0.98,
+                            top=0.94, bottom=0.02)
+    ax_pool, ax_budget, ax_text = (fig.add_subplot(grid[i]) for i in range(3))
+
+    for b in snap.blocks:
+        x, y = b.block_id % columns, rows - 1 - b.block_id // columns
+        state, gid = b.state, f"block-{b.block_id}"
+        edge, lw = (COPY_EDGE, 2.5) if b.just_copied else ("0.4", 0.6)
+        if state == FREE:
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc="white", ec="0.75", lw=0.6, gid=gid))
+        elif state == CACHED:
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc="0.88", ec="0.4", lw=0.8, ls=":",
+                                        hatch="..", gid=gid))
+        elif state == SHARED:
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc=SHARED_COLOUR, ec=edge, lw=lw,
+                                        gid=gid))
+            ax_pool.text(x + 0.45, y + 0.45, f"x{b.ref_cnt}", ha="center", va="center",
+                         color="white", fontsize=7 if small else 5, fontweight="bold")
+        else:
+            c = _block_colour(snap, b.owners[0])
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc=(*c[:3], 0.3), ec=edge, lw=lw,
+                                        hatch="////", gid=gid))
+            ax_pool.add_patch(Rectangle((x, y), 0.9 * b.num_filled / snap.block_size, 0.9,
+                                        fc=c, ec="none"))
+        if b.key is not None:  # keyed: findable by the prefix cache
+            ax_pool.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
+                         color="white" if state == SHARED else "black")
+        if small and state != SHARED:
+            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=5, color="0.3")
+    for r in range(rows):
+        ax_pool.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
+                     fontsize=6, color="0.3")
+    ax_pool.set_xlim(-1, columns)
+    ax_pool.set_ylim(-1.2, rows)  # the strip below the grid holds the legend
+    ax_pool.set_aspect("equal")
+    ax_pool.axis("off")
+    counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE))
+    ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
+                      f"{snap.block_size}): {counts}", fontsize=9)
+    states = [Patch(fc="white", ec="0.75", label="free"),
+              Patch(fc="0.88", ec="0.4", ls=":", hatch="..", label="cached, free (evictable)"),
+              Patch(fc=(0.4, 0.4, 0.4, 0.3), ec="0.4", hatch="////",
+                    label="held by a request (solid: K/V written)"),
+              Patch(fc=SHARED_COLOUR, label="shared (xN: ref count)"),
+              Patch(fc="white", ec=COPY_EDGE, lw=2, label="just copied (copy-on-write)")]
+    ax_pool.legend(handles=states, fontsize=6, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=5, frameon=False, handlelength=1.2, borderaxespad=0.1)
+
+    budget, dec, pre = snap.token_budget, snap.num_decode_tokens, snap.num_prefill_tokens
+    unused = max(budget - dec - pre, 0)
+    ax_budget.barh([0], [dec], height=0.6, color=DECODE_COLOUR, gid="budget-decode")
+    ax_budget.barh([0], [pre], left=[dec], height=0.6, color=PREFILL_COLOUR,
+                   gid="budget-prefill")
+    ax_budget.barh([0], [unused], left=[dec + pre], height=0.6, color="white", ec="0.6",
+                   gid="budget-unused")
+    ax_budget.set_xlim(0, max(budget, dec + pre, 1))
+    ax_budget.set_ylim(-0.5, 0.5)
+    ax_budget.set_yticks([])
+    ax_budget.tick_params(axis="x", labelsize=7)
+    for side in ("top", "right", "left"):
+        ax_budget.spines[side].set_visible(False)
+    ax_budget.set_title(f"last step's token budget: {dec} decode (blue) + {pre} prefill "
+                        f"(orange), {unused} unused of max_num_batched_tokens={budget}",
+                        fontsize=8)
+
+    ax_text.axis("off")
+    _text_lines(ax_text, 0, left)
+    _text_lines(ax_text, 0.6, right)
+    return fig
+
+
+# ---- the driver -------------------------------------------------------------------------------
+class EngineExplorer:
+    """Step an engine by hand and get a snapshot after each call (what the widget's buttons
+    call). Takes an `LLM` or an `LLMEngine`; requests it adds are named r0, r1, ...
+
+    Defaults suit a picture: greedy, `ignore_eos` (so a request runs its `max_tokens` and the
+    picture does not depend on when the model happens to stop) and few tokens.
+    """
+
+    def __init__(self, llm_or_engine, max_tokens: int = 8) -> None:
+        self.engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+        self.max_tokens = max_tokens
+        self.num_added = 0
+        self.snap = snapshot(self.engine)
+
+    def _next_id(self) -> str:
+        while f"r{self.num_added}" in self.engine.parents:
+            self.num_added += 1
+        rid = f"r{self.num_added}"
+        self.num_added += 1
+        return rid
+
+    def add_request(self, prompt, shared_prefix=None, cache_salt: str | None = None, *,
+                    params: SamplingParams | None = None,
+                    request_id: str | None = None) -> EngineSnapshot:
+        """Queue one request: `shared_prefix + prompt` (both text, or both token id lists), with
+        an optional `cache_salt` (chapter 06). Nothing runs until the next step."""
+        if shared_prefix:
+            prompt = shared_prefix + prompt
+        key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        spec = {key: prompt if isinstance(prompt, str) else list(prompt)}
+        if cache_salt:
+            spec["cache_salt"] = cache_salt
+        if params is None:
+            params = SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True)
+        request_id = request_id or self._next_id()
+        self.engine.add_request(request_id, spec, params)
+        n = len(self.engine.parents[request_id][0].prompt_token_ids)
+        salt = f", salt {cache_salt!r}" if cache_salt else ""
+        added = Event(self.engine.num_steps, "added", request_id,
+                      f"{n} prompt tokens, n={params.n}{salt}")
+        return self._read(None, [added])
+
+    def step(self) -> EngineSnapshot:
+        """One engine step (schedule -> forward -> update), then a snapshot."""
+        self.engine.step()
+        return self._read(self.engine.last_scheduler_output)
+
+    def run_to_end(self, max_steps: int = 10_000) -> EngineSnapshot:
+        """Step until no request is left; the snapshot lists every step's events."""
+        events: list[Event] = []
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished_requests():
+                break
+            events += self.step().events
+        self.snap.events = events
+        return self.snap
+
+    def reset(self) -> EngineSnapshot:
+        """Abort every unfinished request: all their blocks go back to the pool. Blocks that
+        still hold a prefix-cache key stay findable (cached, free), as after any request."""
+        for rid in list(self.engine.parents) + list(self.engine.beam_groups):
+            self.engine.abort_request(rid)
+        return self._read(None, [Event(self.engine.num_steps, "reset", None,
+                                       "every request aborted")])
+
+    def _read(self, sched, extra: list[Event] = ()) -> EngineSnapshot:
+        self.snap = snapshot(self.engine, sched, previous=self.snap, extra_events=extra)
+        return self.snap
