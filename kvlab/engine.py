@@ -265,6 +265,13 @@ class LLMEngine:
         ))
 
     # ---- what the notebooks read ------------------------------------------------------------
+    def set_attention_backend(self, backend) -> None:
+        """Swap the attention backend of a live engine (chapter 00's exercise plugs a
+        participant's decode attention in; the roofline bench runs an older path beside the
+        current one). The model and the model runner hold the same backend: swap both."""
+        self.model.attn_backend = backend
+        self.model_runner.attn_backend = backend
+
     def memory_map(self) -> list[tuple[str | None, int]]:
         """Who holds each physical block now, and how many of its slots hold tokens."""
         from kvlab.viz import memory_map  # a picture helper: kept out of the engine's imports

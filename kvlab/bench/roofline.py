@@ -128,9 +128,7 @@ def make_engine(model: str | None, attention=None, **knobs) -> LLM:
     current one in the same process."""
     llm = LLM(model, **knobs)
     if attention is not None:
-        backend = attention()
-        llm.llm_engine.model.attn_backend = backend
-        llm.llm_engine.model_runner.attn_backend = backend
+        llm.llm_engine.set_attention_backend(attention())
     return llm
 
 

@@ -161,9 +161,7 @@ def _real_model(impl) -> None:
     expected = _engine.reference_workload("paged_attention", _ENGINE, _batches)
 
     def install(engine):
-        backend = _ParticipantDecodeBackend(impl)
-        engine.model.attn_backend = backend
-        engine.model_runner.attn_backend = backend
+        engine.set_attention_backend(_ParticipantDecodeBackend(impl))
 
     engine, got = _engine.run_with(_ENGINE, _batches, install)
     _engine.compare_tokens(expected, got, "your attention in every decode step")
