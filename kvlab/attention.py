@@ -148,22 +148,29 @@ def paged_attention_decode(q: torch.Tensor, kv_layer: torch.Tensor, decode: Deco
     return out.view(B, num_heads, head_dim)
 
 
+def device_block_tables(common: CommonAttentionMetadata, seqs: list[int]) -> list[torch.Tensor]:
+    """The block tables of sequences `seqs` on the device: one host-to-device copy, split into
+    views (one per sequence); no copy at all when there is none (a pure decode step)."""
+    if not seqs:
+        return []
+    tables = common.block_table_ids
+    flat = torch.tensor([b for i in seqs for b in tables[i]], dtype=torch.long, device="cpu")
+    return list(flat.to(common.device).split([len(tables[i]) for i in seqs]))
+
+
 class ReferenceBackend:
     """One sequence at a time: the version to read (`backend="reference"`)."""
 
     name = "reference"
 
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
-        # Every table in one host-to-device copy, then split into views (one per sequence).
-        tables = common.block_table_ids
-        flat = torch.tensor([b for t in tables for b in t], dtype=torch.long, device="cpu")
-        flat = flat.to(common.device)
+        every = list(range(common.num_seqs))
         return SDPAMetadata(
             slot_mapping=common.slot_mapping,
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
-            block_tables=list(flat.split([len(t) for t in tables])),
-            per_seq=list(range(common.num_seqs)),
+            block_tables=device_block_tables(common, every),
+            per_seq=every,
         )
 
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
@@ -184,14 +191,12 @@ class SDPABackend(ReferenceBackend):
         self.buffer: torch.Tensor | None = None
 
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
-        starts, tables = common.query_start_loc, common.block_table_ids
+        starts = common.query_start_loc
         decodes = [i for i in range(common.num_seqs) if starts[i + 1] - starts[i] == 1]
         prefills = [i for i in range(common.num_seqs) if starts[i + 1] - starts[i] != 1]
-        flat = torch.tensor([b for i in prefills for b in tables[i]], dtype=torch.long,
-                            device="cpu").to(common.device)
         meta = SDPAMetadata(slot_mapping=common.slot_mapping, query_start_loc=starts,
                             seq_lens=common.seq_lens, per_seq=prefills,
-                            block_tables=list(flat.split([len(tables[i]) for i in prefills])))
+                            block_tables=device_block_tables(common, prefills))
         if decodes:
             meta.decode = self.build_decode(common, decodes)
         return meta

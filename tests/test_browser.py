@@ -8,6 +8,7 @@ unless KVLAB_REQUIRE_BROWSER=1 (as in CI), where a missing browser is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -56,39 +57,47 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-quic"]
 
 
-def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
+@contextlib.contextmanager
+def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str):
+    """Headless Chromium on `notebook` in JupyterLab with Run > Run All Cells clicked; yields
+    the page, saves a screenshot under SCREENSHOT_DIR if the body fails, closes the browser."""
     from playwright.sync_api import sync_playwright
 
     base, token = jupyterlab
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": height})
         try:
-            page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
+            page.goto(f"{base}/lab/tree/{notebook}?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-Toolbar", timeout=60_000)
             time.sleep(2)  # let the kernel connect
             page.click("li.lm-MenuBar-item:has-text('Run')")
             page.click(".lm-Menu-item:has-text('Run All Cells')")
-            slider = page.wait_for_selector(".widget-slider", timeout=240_000)
-            # The interactive's text output sits in the same widget box as the slider.
-            box = page.locator(".widget-interact").first
-            box.locator("text=block_size= 16").wait_for(timeout=120_000)
-            before = box.inner_text()
-            slider.scroll_into_view_if_needed()
-            handle = box.locator(".noUi-handle").first
-            handle.focus()
-            for _ in range(4):
-                page.keyboard.press("ArrowRight")
-            box.locator("text=block_size= 20").wait_for(timeout=60_000)
-            after = box.inner_text()
-            page.screenshot(path=str(SCREENSHOT_DIR / "notebook01_slider.png"), full_page=False)
+            yield page
         except Exception:
-            page.screenshot(path=str(SCREENSHOT_DIR / "notebook01_failure.png"))
+            page.screenshot(path=str(SCREENSHOT_DIR / failure_png))
             raise
         finally:
             browser.close()
+
+
+def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
+    with notebook_running(jupyterlab, NOTEBOOK, 1000, "notebook01_failure.png") as page:
+        slider = page.wait_for_selector(".widget-slider", timeout=240_000)
+        # The interactive's text output sits in the same widget box as the slider.
+        box = page.locator(".widget-interact").first
+        box.locator("text=block_size= 16").wait_for(timeout=120_000)
+        before = box.inner_text()
+        slider.scroll_into_view_if_needed()
+        handle = box.locator(".noUi-handle").first
+        handle.focus()
+        for _ in range(4):
+            page.keyboard.press("ArrowRight")
+        box.locator("text=block_size= 20").wait_for(timeout=60_000)
+        after = box.inner_text()
+        page.screenshot(path=str(SCREENSHOT_DIR / "notebook01_slider.png"), full_page=False)
     assert before != after
     assert "block_size= 16" in before and "block_size= 20" in after
 
@@ -130,59 +139,44 @@ def queue_ids(text: str, queue: str) -> list[str]:
 
 def test_engine_explorer_buttons_step_the_engine_in_the_browser(jupyterlab, tmp_path):
     import nbformat
-    from playwright.sync_api import sync_playwright
 
-    base, token = jupyterlab
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in EXPLORER_CELLS])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nbformat.write(nb, tmp_path / "notebooks" / "explorer_check.ipynb")
-    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1400})
-        try:
-            page.goto(f"{base}/lab/tree/explorer_check.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            time.sleep(2)  # let the kernel connect
-            page.click("li.lm-MenuBar-item:has-text('Run')")
-            page.click(".lm-Menu-item:has-text('Run All Cells')")
-            notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
-            box = notebook.locator(".kvlab-explorer").first
-            box.wait_for(timeout=240_000)
-            queues = box.locator(".kvlab-explorer-queues")
-            picture = box.locator(".kvlab-explorer-picture img").first
-            picture.wait_for(timeout=60_000)
-            assert queues.inner_text().startswith("step 0")
-            before = picture.get_attribute("src")
+    with notebook_running(jupyterlab, "explorer_check.ipynb", 1400,
+                          "engine_explorer_failure.png") as page:
+        notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+        box = notebook.locator(".kvlab-explorer").first
+        box.wait_for(timeout=240_000)
+        queues = box.locator(".kvlab-explorer-queues")
+        picture = box.locator(".kvlab-explorer-picture img").first
+        picture.wait_for(timeout=60_000)
+        assert queues.inner_text().startswith("step 0")
+        before = picture.get_attribute("src")
 
-            def press(name: str, until: str):
-                box.get_by_role("button", name=name, exact=True).click()
-                wait_until(lambda: until in queues.inner_text(), 120, f"{until!r} after {name}")
+        def press(name: str, until: str):
+            box.get_by_role("button", name=name, exact=True).click()
+            wait_until(lambda: until in queues.inner_text(), 120, f"{until!r} after {name}")
 
-            press("Step", "step 1\n")
-            press("Step", "step 2\n")
-            press("Add request", "waiting (1): r2 [")
-            press("Step", "step 3\n")
-            wait_until(lambda: picture.get_attribute("src") != before, 60, "a new picture")
-            after = picture.get_attribute("src")
-            shown = queues.inner_text()
+        press("Step", "step 1\n")
+        press("Step", "step 2\n")
+        press("Add request", "waiting (1): r2 [")
+        press("Step", "step 3\n")
+        wait_until(lambda: picture.get_attribute("src") != before, 60, "a new picture")
+        after = picture.get_attribute("src")
+        shown = queues.inner_text()
 
-            # Now ask the engine itself, from the second cell.
-            cell = notebook.locator(".jp-CodeCell").filter(has_text='print("ENGINE step"').first
-            cell.scroll_into_view_if_needed()
-            cell.locator(".jp-InputPrompt").first.click()  # select the cell, then run it
-            page.keyboard.press("Shift+Enter")
-            wait_until(lambda: "ENGINE step 3" in cell.locator(".jp-OutputArea").inner_text(),
-                       120, "the engine's own report")
-            report = cell.locator(".jp-OutputArea").inner_text()
-            box.scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOT_DIR / "engine_explorer.png"), full_page=False)
-        except Exception:
-            page.screenshot(path=str(SCREENSHOT_DIR / "engine_explorer_failure.png"))
-            raise
-        finally:
-            browser.close()
+        # Now ask the engine itself, from the second cell.
+        cell = notebook.locator(".jp-CodeCell").filter(has_text='print("ENGINE step"').first
+        cell.scroll_into_view_if_needed()
+        cell.locator(".jp-InputPrompt").first.click()  # select the cell, then run it
+        page.keyboard.press("Shift+Enter")
+        wait_until(lambda: "ENGINE step 3" in cell.locator(".jp-OutputArea").inner_text(),
+                   120, "the engine's own report")
+        report = cell.locator(".jp-OutputArea").inner_text()
+        box.scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOT_DIR / "engine_explorer.png"), full_page=False)
     assert before.startswith("data:image/png") and after != before  # the picture was redrawn
     engine_running = re.search(r"ENGINE running \[(.*)\]", report).group(1)
     engine_waiting = re.search(r"ENGINE waiting \[(.*)\]", report).group(1)
