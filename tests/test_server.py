@@ -280,6 +280,11 @@ def test_engine_bug_fails_every_request_in_flight(server, offline, monkeypatch):
         return real(sched, result)
 
     monkeypatch.setattr(scheduler, "update_from_output", buggy)
+    # Hold the engine idle until both requests are queued, so that they share the first step
+    # however slowly the second one arrives (on a loaded CI machine the first could finish alone).
+    engine, has_work = llm.llm_engine, llm.llm_engine.has_unfinished_requests
+    monkeypatch.setattr(engine, "has_unfinished_requests", lambda: has_work() and (
+        bool(fired) or len(scheduler.waiting) + len(scheduler.running) >= 2))
     body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
 
     async def go():
