@@ -17,6 +17,8 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from kvlab.config import BACKENDS
+
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="kvlab")
@@ -34,6 +36,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--prefix-caching-hash-algo", default="sha256")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM's two flags (vllm/engine/arg_utils.py); vLLM's --attention-backend takes its own
+    # backends' names (FLASH_ATTN, FLEX_ATTENTION, CPU_ATTN: vllm/v1/attention/backends/
+    # registry.py), kvlab's takes kvlab's three.
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto",
+                   help="kvlab's attention backend (LLM(backend=...))")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="never compile (unset: the flex backend compiles on a GPU only)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off, as in vLLM)")
     p.add_argument("--api-keys-file", default=None, metavar="PATH",
@@ -55,7 +64,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
-            "enable_chunked_prefill": args.enable_chunked_prefill}
+            "enable_chunked_prefill": args.enable_chunked_prefill,
+            "backend": args.attention_backend, "enforce_eager": args.enforce_eager}
 
 
 def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:

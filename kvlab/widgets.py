@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
 from kvlab import viz
-from kvlab.explorer import EngineExplorer, draw_snapshot, format_queues
+from kvlab.explorer import EngineExplorer
+from kvlab.viz import draw_snapshot, format_queues
 
 STATIC_NOTE = "(static picture, saved with the notebook; the widget below redraws it live)"
 

@@ -15,9 +15,9 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from kvlab import LLM, SamplingParams, widgets  # noqa: E402
 from kvlab.explorer import (  # noqa: E402
-    CACHED, COPY_EDGE, FREE, HELD, SHARED, SHARED_COLOUR, BlockView, EngineExplorer,
-    EngineSnapshot, RequestView, draw_snapshot, format_queues, snapshot,
+    CACHED, FREE, HELD, SHARED, BlockView, EngineExplorer, EngineSnapshot, RequestView, snapshot,
 )
+from kvlab.viz import COPY_EDGE, SHARED_COLOUR, draw_snapshot, format_queues  # noqa: E402
 
 
 def assert_matches_engine(snap: EngineSnapshot, llm) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvlab import LLM, SamplingParams
 from kvlab.bench.peers import decode_ceiling, transformers_generate_batch
 
@@ -24,3 +26,18 @@ def test_decode_ceiling_arithmetic(loaded):
     params = sum(p.numel() for p in loaded.hf_model.parameters())
     assert one["step_ms"] >= 1000 * params * 4 / 1e10 - 0.01
     assert many["tok_s"] > one["tok_s"]
+
+
+def test_compare_peers_without_warmup_times_the_checked_run():
+    """The notebook's shortcut: one run each, checked and timed (a single timing per row)."""
+    from kvlab.bench.peers import compare_peers
+
+    out = compare_peers(num_requests=2, input_lens=(16, 24), output_lens=(2, 4), repeats=1,
+                        warmup=False)
+    assert out["identical_to_kvlab"] == {"transformers generate": "2/2",
+                                         "transformers generate_batch": "2/2"}
+    for row in out["rows"].values():
+        low, high = row["spread_s"]
+        assert low == high > 0 and row["useful_tok_s"] > 0
+    with pytest.raises(ValueError, match="repeats"):
+        compare_peers(repeats=0)

@@ -111,6 +111,12 @@ def test_serve_flags_map_onto_llm_knobs():
             config.max_model_len) == (32, 8, 256, 256)
     assert config.enable_prefix_caching and not config.enable_chunked_prefill
     assert config.prefix_caching_hash_algo == "sha512"
+    assert (config.backend, config.enforce_eager) == ("auto", None)  # vLLM's defaults' meaning
+    args = parser().parse_args("serve --attention-backend flex --no-enforce-eager".split())
+    config = LLM(**engine_kwargs(args)).llm_engine.config
+    assert (config.backend, config.enforce_eager) == ("flex", False)
+    with pytest.raises(SystemExit):  # argparse names the choices and exits 2
+        parser().parse_args("serve --attention-backend FLASH_ATTN".split())
 
 
 def test_prompt_tokens_details_only_when_enabled():
