@@ -4,9 +4,11 @@ Each slider's work is a plain function (in viz.py) that tests call without a bro
 here only wires a slider to it. The explorer's picture is a pure function of an engine snapshot
 (explorer.py); its widget only wires buttons to an `EngineExplorer`.
 
-A widget's output lives in the widget's state, which a saved notebook does not keep (the
-workbook strips it so that GitHub renders the file). So every widget here also shows a static
-picture of its starting value as an ordinary cell output: GitHub and nbviewer show that.
+A widget's own output lives in the widget's state, which a saved notebook does not keep (the
+workbook strips it so that GitHub renders the file). So no widget here draws inside itself: each
+shows its text and picture as ordinary cell outputs (`LiveOutput`) and its controls redraw
+those outputs in place through IPython display ids. One picture on screen, live in a running
+notebook, and the one GitHub and nbviewer show in a saved one.
 """
 
 from __future__ import annotations
@@ -16,40 +18,83 @@ import html
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
-from IPython.display import clear_output, display
+from IPython.display import display
 
 from kvlab import viz
 from kvlab.explorer import EngineExplorer
 from kvlab.viz import draw_snapshot, format_queues
 
-STATIC_NOTE = "(static picture, saved with the notebook; the widget below redraws it live)"
+LIVE_NOTE = "(redrawn in place by the controls below; a saved notebook keeps the last drawing)"
 
 
-def show_static(caption: str, fig=None, text: str | None = None) -> None:
-    """Show a caption, text and a figure as ordinary cell outputs (not inside a widget), so a
-    saved notebook keeps them; the figure is closed afterwards (no second copy at cell end)."""
-    print(f"{caption} {STATIC_NOTE}")
-    if text is not None:
-        print(text)
-    if fig is not None:
-        display(fig)
-        plt.close(fig)
+def _text_bundle(text: str) -> dict:
+    """Text as a display bundle: plain for nbval and GitHub, a classed <pre> for the browser."""
+    return {"text/plain": text,
+            "text/html": f'<pre class="kvlab-live-text">{html.escape(text)}</pre>'}
+
+
+class LiveOutput:
+    """A widget's text and figure as ordinary cell outputs, redrawn in place by its callbacks.
+
+    `display(..., display_id=True)` returns a handle whose `update` replaces that output
+    wherever it is, also from a button's or slider's callback (checked in JupyterLab by
+    tests/test_browser.py). Outside IPython (a plain script) there is no handle: each drawing
+    is printed after the last. Each figure is closed once shown (no second copy at cell end).
+    """
+
+    def __init__(self, caption: str, text: str | None = None, fig=None) -> None:
+        print(f"{caption} {LIVE_NOTE}")
+        self.handles: dict[str, object] = {}
+        self.update(text, fig)
+
+    def update(self, text: str | None = None, fig=None) -> None:
+        for name, obj, raw in (("text", None if text is None else _text_bundle(text), True),
+                               ("fig", fig, False)):
+            if obj is None:
+                continue
+            handle = self.handles.get(name)
+            if handle is None:
+                self.handles[name] = display(obj, raw=raw, display_id=True)
+            else:
+                handle.update(obj, raw=raw)
+        if fig is not None:
+            plt.close(fig)
 
 
 def block_size_slider(lengths: list[int], value: int = 16):
     """Move the block size; see internal waste against block-table size (notebook 01)."""
 
-    def draw(block_size: int):
-        print(viz.block_size_summary(lengths, block_size))
-        fig = viz.plot_block_size_tradeoff(lengths, block_size)
-        plt.show()
-        plt.close(fig)
+    def render(block_size: int):
+        return (viz.block_size_summary(lengths, block_size),
+                viz.plot_block_size_tradeoff(lengths, block_size))
 
-    show_static(f"block_size={value}:", viz.plot_block_size_tradeoff(lengths, value),
-                viz.block_size_summary(lengths, value))
+    live = LiveOutput("Block size against waste and table size", *render(value))
     slider = widgets.IntSlider(value=value, min=1, max=128, step=1, description="block_size",
                                continuous_update=False)
-    return widgets.interactive(draw, block_size=slider)
+    return _controls(lambda block_size: live.update(*render(block_size)), block_size=slider)
+
+
+def _controls(redraw, **controls):
+    """The controls in a box; every change of a value calls `redraw` with all their values.
+
+    Not a `widgets.interactive`: that runs its function inside its own Output widget, which
+    captures every message of the call, the display updates too (they would never reach the
+    LiveOutput). A failure shows in the box, not in the browser's console.
+    """
+    message = widgets.HTML()
+
+    def on_change(_) -> None:
+        message.value = ""
+        try:
+            redraw(**{name: control.value for name, control in controls.items()})
+        except Exception as e:
+            message.value = f"<b>redraw failed:</b> {html.escape(repr(e))}"
+
+    for control in controls.values():
+        control.observe(on_change, names="value")
+    box = widgets.VBox([*controls.values(), message])
+    box.add_class("kvlab-controls")
+    return box
 
 
 def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
@@ -57,7 +102,7 @@ def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
     on the real model (notebook 02). Each move runs both engines: a few seconds on a CPU."""
     from kvlab.bench import cow_run
 
-    @functools.lru_cache(maxsize=None)  # deterministic runs: the static picture's is reused
+    @functools.lru_cache(maxsize=None)  # deterministic runs: the first drawing's runs are reused
     def runs_for(kind: str, k: int):
         return {label: cow_run(kind, k, prompt_ids, max_tokens, share)
                 for label, share in (("shared", True), ("unshared", False))}
@@ -70,18 +115,11 @@ def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
                 f"{runs['shared']['cow_copies']} copy-on-write copies")
         return text, viz.plot_blocks_per_step({k_: r["blocks_per_step"] for k_, r in runs.items()})
 
-    def draw(kind: str, k: int):
-        text, fig = render(kind, k)
-        print(text)
-        plt.show()
-        plt.close(fig)
-
-    text, fig = render("beam", value)
-    show_static(f"beam, k={value}:", fig, text)
+    live = LiveOutput("Blocks in use, shared and unshared", *render("beam", value))
     kind = widgets.Dropdown(options=["sampling", "beam"], value="beam", description="kind")
     k = widgets.IntSlider(value=value, min=1, max=8, description="n / width",
                           continuous_update=False)
-    return widgets.interactive(draw, kind=kind, k=k)
+    return _controls(lambda kind, k: live.update(*render(kind, k)), kind=kind, k=k)
 
 
 def chunk_size_slider(long_len: int = 1024, value: int = 128):
@@ -89,40 +127,29 @@ def chunk_size_slider(long_len: int = 1024, value: int = 128):
     prefilled in chunks of that size (notebook 04). Each move runs the real model."""
     from kvlab.bench.scheduling import chunked_prefill_stall
 
-    # A timing: measured afresh on each move. The latest run is kept (one), so the static
-    # picture and the slider's first drawing are the same measurement, taken once.
-    run_for = functools.lru_cache(maxsize=1)(lambda budget: chunked_prefill_stall(budget, long_len))
-
     def render(budget: int):
-        run = run_for(budget)
+        run = chunked_prefill_stall(budget, long_len)  # a timing: measured afresh on each move
         text = (f"budget {budget}: {run.chunks} prefill steps, worst decode gap "
                 f"{1000 * run.max_gap:.0f} ms, inserted prompt TTFT "
                 f"{1000 * run.inserted_ttft:.0f} ms")
         return text, viz.plot_stall([run])
 
-    def draw(budget: int):
-        text, fig = render(budget)
-        print(text)
-        plt.show()
-        plt.close(fig)
-
-    text, fig = render(value)
-    show_static(f"budget={value}:", fig, text)
+    live = LiveOutput("A decode's gaps while a long prompt is prefilled", *render(value))
     slider = widgets.IntSlider(value=value, min=16, max=1024, step=16,
                                description="budget", continuous_update=False)
-    return widgets.interactive(draw, budget=slider)
+    return _controls(lambda budget: live.update(*render(budget)), budget=slider)
 
 
 def hash_chain_slider(prompts: dict[str, list[int]], value: int = 4):
     """Move the block size; see which block keys two prompts share (notebook 05)."""
 
-    def draw(block_size: int):
-        print(viz.format_hash_chain(prompts, block_size))
+    def render(block_size: int) -> str:
+        return f"block_size={block_size}:\n" + viz.format_hash_chain(prompts, block_size)
 
-    show_static(f"block_size={value}:", text=viz.format_hash_chain(prompts, value))
+    live = LiveOutput("Block keys of each prompt", render(value))
     slider = widgets.IntSlider(value=value, min=1, max=16, description="block_size",
                                continuous_update=False)
-    return widgets.interactive(draw, block_size=slider)
+    return _controls(lambda block_size: live.update(render(block_size)), block_size=slider)
 
 
 def engine_explorer(llm_or_engine, *, prompt: str = "Paged attention keeps the KV cache in",
@@ -132,26 +159,21 @@ def engine_explorer(llm_or_engine, *, prompt: str = "Paged attention keeps the K
     block tables, the queues, the last step's token budget and its events.
 
     `llm_or_engine`: an `LLM`, an `LLMEngine`, or an `EngineExplorer` already stepped (so the
-    saved static picture shows something worth seeing). Returns the widget box; its
+    first picture, the one a saved notebook keeps, shows something worth seeing). Returns the widget box; its
     `.explorer` is the driver, for reading the engine's state from another cell.
     """
     ex = (llm_or_engine if isinstance(llm_or_engine, EngineExplorer)
           else EngineExplorer(llm_or_engine, max_tokens=max_tokens))
-    show_static(f"Engine after step {ex.snap.step}:", draw_snapshot(ex.snap))
+    live = LiveOutput("The engine explorer", fig=draw_snapshot(ex.snap))
 
     queues = widgets.HTML()
     queues.add_class("kvlab-explorer-queues")
-    picture = widgets.Output()
-    picture.add_class("kvlab-explorer-picture")
     message = widgets.HTML()
 
-    def redraw(snap) -> None:
+    def redraw(snap, picture: bool = True) -> None:
         queues.value = f"<pre>{html.escape(format_queues(snap))}</pre>"
-        with picture:
-            clear_output(wait=True)
-            fig = draw_snapshot(snap)
-            display(fig)
-            plt.close(fig)
+        if picture:
+            live.update(fig=draw_snapshot(snap))
 
     text_prompt = widgets.Text(value=prompt, description="prompt")
     text_prefix = widgets.Text(value=shared_prefix, description="shared prefix",
@@ -178,9 +200,9 @@ def engine_explorer(llm_or_engine, *, prompt: str = "Paged attention keeps the K
         action("Add request", lambda: ex.add_request(
             text_prompt.value, text_prefix.value or None, text_salt.value or None)),
     ]
-    redraw(ex.snap)
+    redraw(ex.snap, picture=False)  # the LiveOutput above already shows this snapshot
     box = widgets.VBox([widgets.HBox(buttons), widgets.HBox([text_prompt, text_prefix, text_salt]),
-                        message, queues, picture])
+                        message, queues])
     box.add_class("kvlab-explorer")
     box.explorer = ex
     return box

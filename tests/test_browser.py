@@ -1,6 +1,7 @@
 """The workbook in a real browser: JupyterLab from this environment, notebook 01 run in headless
-Chromium, the block-size slider moved, the output checked to change, a screenshot saved; and the
-engine explorer stepped by its buttons, its queue text checked against the engine's state.
+Chromium, the block-size slider moved, its cell's text and picture checked to be redrawn in
+place, a screenshot saved; and the engine explorer stepped by its buttons, its picture redrawn
+in place, its queue text checked against the engine's state.
 
 Needs Debian's `chromium` (`.ci/run` installs it). Without it the test is skipped with a reason,
 unless KVLAB_REQUIRE_BROWSER=1 (as in CI), where a missing browser is a failure.
@@ -85,21 +86,27 @@ def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str):
 
 def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
     with notebook_running(jupyterlab, NOTEBOOK, 1000, "notebook01_failure.png") as page:
-        slider = page.wait_for_selector(".widget-slider", timeout=240_000)
-        # The interactive's text output sits in the same widget box as the slider.
-        box = page.locator(".widget-interact").first
-        box.locator("text=block_size= 16").wait_for(timeout=120_000)
-        before = box.inner_text()
+        slider = page.wait_for_selector(".kvlab-controls .widget-slider", timeout=240_000)
+        # The slider redraws its cell's own outputs (text and picture) in place.
+        cell = page.locator(".jp-CodeCell").filter(has=page.locator(".kvlab-controls")).first
+        text = cell.locator(".kvlab-live-text").first
+        text.locator("text=block_size= 16").wait_for(timeout=120_000)
+        before, picture = text.inner_text(), cell.locator(".jp-OutputArea-output img")
+        picture_before = picture.first.get_attribute("src")
         slider.scroll_into_view_if_needed()
-        handle = box.locator(".noUi-handle").first
+        handle = cell.locator(".noUi-handle").first
         handle.focus()
         for _ in range(4):
             page.keyboard.press("ArrowRight")
-        box.locator("text=block_size= 20").wait_for(timeout=60_000)
-        after = box.inner_text()
+        text.locator("text=block_size= 20").wait_for(timeout=60_000)
+        after = text.inner_text()
+        wait_until(lambda: picture.first.get_attribute("src") != picture_before, 60,
+                   "a new picture")
+        pictures = picture.count()
         page.screenshot(path=str(SCREENSHOT_DIR / "notebook01_slider.png"), full_page=False)
     assert before != after
     assert "block_size= 16" in before and "block_size= 20" in after
+    assert pictures == 1  # redrawn in place, not a second picture
 
 
 # A two-cell notebook: the explorer over a small engine holding two requests, then a cell that
@@ -150,7 +157,11 @@ def test_engine_explorer_buttons_step_the_engine_in_the_browser(jupyterlab, tmp_
         box = notebook.locator(".kvlab-explorer").first
         box.wait_for(timeout=240_000)
         queues = box.locator(".kvlab-explorer-queues")
-        picture = box.locator(".kvlab-explorer-picture img").first
+        # The picture is the cell's own output above the buttons, redrawn in place.
+        explorer_cell = notebook.locator(".jp-CodeCell").filter(
+            has=page.locator(".kvlab-explorer")).first
+        pictures = explorer_cell.locator(".jp-OutputArea-output img")
+        picture = pictures.first
         picture.wait_for(timeout=60_000)
         assert queues.inner_text().startswith("step 0")
         before = picture.get_attribute("src")
@@ -165,6 +176,7 @@ def test_engine_explorer_buttons_step_the_engine_in_the_browser(jupyterlab, tmp_
         press("Step", "step 3\n")
         wait_until(lambda: picture.get_attribute("src") != before, 60, "a new picture")
         after = picture.get_attribute("src")
+        num_pictures = pictures.count()
         shown = queues.inner_text()
 
         # Now ask the engine itself, from the second cell.
@@ -178,6 +190,7 @@ def test_engine_explorer_buttons_step_the_engine_in_the_browser(jupyterlab, tmp_
         box.scroll_into_view_if_needed()
         page.screenshot(path=str(SCREENSHOT_DIR / "engine_explorer.png"), full_page=False)
     assert before.startswith("data:image/png") and after != before  # the picture was redrawn
+    assert num_pictures == 1  # in place: one picture, never a stale second one
     engine_running = re.search(r"ENGINE running \[(.*)\]", report).group(1)
     engine_waiting = re.search(r"ENGINE waiting \[(.*)\]", report).group(1)
     assert queue_ids(shown, "running") == re.findall(r"'([^']+)'", engine_running)

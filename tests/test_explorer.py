@@ -240,11 +240,29 @@ def test_drawing_an_old_snapshot_reads_nothing_from_the_engine(text_ids):
 
 
 # ---- widgets: the buttons, and every widget's static twin ----------------------------------
+class Shown(list):
+    """What widgets display as ordinary cell outputs (outside any widget), in order: each
+    output's current object, replaced when the widget redraws it in place."""
+
+    def display(self, obj, raw=False, display_id=None):
+        assert display_id is True  # redrawable: every widget output takes a display id
+        index = len(self)
+        self.append(obj["text/plain"] if raw else obj)
+        shown = self
+
+        class Handle:
+            def update(self, new, raw=False):
+                shown[index] = new["text/plain"] if raw else new
+                shown.updates += 1
+
+        return Handle()
+
+
 @pytest.fixture
 def shown(monkeypatch):
-    """What widgets display as ordinary cell outputs (outside any widget)."""
-    calls = []
-    monkeypatch.setattr(widgets, "display", lambda obj: calls.append(obj))
+    calls = Shown()
+    calls.updates = 0
+    monkeypatch.setattr(widgets, "display", calls.display)
     return calls
 
 
@@ -255,8 +273,10 @@ def test_engine_explorer_widget_shows_a_static_snapshot_and_its_buttons_step(tex
     ex.add_request(text_ids[:10])
     ex.step()
     box = widgets.engine_explorer(ex, prompt="Hello")
-    assert "Engine after step 1:" in capsys.readouterr().out
-    assert len(shown) == 2 and all(isinstance(f, Figure) for f in shown)  # static + live
+    assert "The engine explorer (redrawn in place" in capsys.readouterr().out
+    assert len(shown) == 1 and isinstance(shown[0], Figure)  # one picture, no second copy
+    first = shown[0]
+    assert "after step 1" in first.axes[0].get_title()
     buttons = {b.description: b for b in box.children[0].children}
     assert list(buttons) == ["Step", "Run to end", "Reset", "Add request"]
     queues = next(w for w in box.children if "kvlab-explorer-queues" in w._dom_classes)
@@ -265,21 +285,40 @@ def test_engine_explorer_widget_shows_a_static_snapshot_and_its_buttons_step(tex
     assert "waiting (1): r1" in queues.value and ex.snap.waiting == ["r1"]
     buttons["Step"].click()
     assert llm.llm_engine.num_steps == 2 and "running (2): r0" in queues.value
+    assert len(shown) == 1 and shown[0] is not first  # the same output, redrawn
+    assert "after step 2" in shown[0].axes[0].get_title()
     buttons["Run to end"].click()
     assert "running (0): -" in queues.value
     assert box.explorer is ex
     assert_no_blocks_held(llm)
 
 
-def test_block_size_and_hash_chain_sliders_show_static_twins(shown, capsys):
-    widgets.block_size_slider([10, 100, 300], value=16)
-    assert len(shown) == 1 and isinstance(shown[0], Figure)
-    out = capsys.readouterr().out
-    assert "block_size=16: (static picture" in out
-    assert widgets.viz.block_size_summary([10, 100, 300], 16) in out
-    widgets.hash_chain_slider({"A": [1, 2, 3, 4, 5], "B": [1, 2, 3, 4, 6]}, value=2)
-    out = capsys.readouterr().out
-    assert widgets.viz.format_hash_chain({"A": [1, 2, 3, 4, 5], "B": [1, 2, 3, 4, 6]}, 2) in out
+def test_block_size_and_hash_chain_sliders_redraw_their_outputs_in_place(shown, capsys):
+    lengths = [10, 100, 300]
+    box = widgets.block_size_slider(lengths, value=16)
+    assert "(redrawn in place by the controls below" in capsys.readouterr().out
+    text, fig = shown
+    assert text == widgets.viz.block_size_summary(lengths, 16) and isinstance(fig, Figure)
+    box.children[0].value = 32  # what dragging does
+    assert shown[0] == widgets.viz.block_size_summary(lengths, 32)
+    assert shown[1] is not fig and isinstance(shown[1], Figure) and shown.updates == 2
+    prompts = {"A": [1, 2, 3, 4, 5], "B": [1, 2, 3, 4, 6]}
+    box = widgets.hash_chain_slider(prompts, value=2)
+    assert shown[2] == "block_size=2:\n" + widgets.viz.format_hash_chain(prompts, 2)
+    box.children[0].value = 4
+    assert shown[2] == "block_size=4:\n" + widgets.viz.format_hash_chain(prompts, 4)
+    assert len(shown) == 3  # redrawn, never appended
+
+
+def test_a_failing_redraw_is_shown_in_the_controls(shown, monkeypatch):
+    box = widgets.block_size_slider([10, 100], value=16)
+
+    def broken(*args):
+        raise RuntimeError("no picture")
+
+    monkeypatch.setattr(widgets.viz, "plot_block_size_tradeoff", broken)
+    box.children[0].value = 8
+    assert "redraw failed" in box.children[-1].value and "no picture" in box.children[-1].value
 
 
 def test_real_model_sliders_show_static_twins_and_run_their_default_once(shown, monkeypatch,
@@ -302,13 +341,18 @@ def test_real_model_sliders_show_static_twins_and_run_their_default_once(shown, 
     monkeypatch.setattr(kvlab.bench, "cow_run", fake_cow_run)
     monkeypatch.setattr(kvlab.bench.scheduling, "chunked_prefill_stall", fake_stall)
     w = widgets.cow_slider([1, 2, 3], max_tokens=2, value=3)
-    # The static picture and the slider's first drawing: one pair of runs, not two.
+    # The first drawing is one pair of runs; the controls do not run it again.
     assert cow_calls == [("beam", 3, True), ("beam", 3, False)]
-    assert len(shown) == 1 and isinstance(shown[0], Figure)
-    assert "beam, k=3: peak 4 blocks shared vs 8 unshared: 50% saved" in capsys.readouterr().out
-    w.children[1].value = 2  # moving the slider runs the new value
+    assert shown[0].startswith("beam, k=3: peak 4 blocks shared vs 8 unshared: 50% saved")
+    assert isinstance(shown[1], Figure) and len(shown) == 2
+    w.children[1].value = 2  # moving the slider runs the new value, drawn in place
     assert cow_calls[2:] == [("beam", 2, True), ("beam", 2, False)]
-    widgets.chunk_size_slider(long_len=64, value=32)
-    assert stall_calls == [32] and isinstance(shown[-1], Figure)
-    assert "budget=32:" in capsys.readouterr().out
+    assert shown[0].startswith("beam, k=2:") and len(shown) == 2
+    w.children[1].value = 3  # back to a value already run: no new runs
+    assert len(cow_calls) == 4 and shown[0].startswith("beam, k=3:")
+    w = widgets.chunk_size_slider(long_len=64, value=32)
+    assert stall_calls == [32] and shown[2].startswith("budget 32: 3 prefill steps")
+    w.children[0].value = 64
+    assert stall_calls == [32, 64] and shown[2].startswith("budget 64:")
+    assert "A decode's gaps" in capsys.readouterr().out
     plt.close("all")
