@@ -619,7 +619,8 @@ def plot_serve_peers(rows: list[dict]):
 
 
 def plot_roofline_sweep(results: dict):
-    """Decode throughput by batch against this machine's ceilings (notebook 07, `python -m kvlab.bench roofline`).
+    """Decode throughput by batch against this machine's ceilings (notebook 07, `python -m
+    kvlab.bench roofline`).
 
     `results` is `kvlab.bench.roofline.roofline(...)`'s output. Left: decode tokens/s at the
     sweep's context by running batch, with the two ceilings measured in the same run (arithmetic
@@ -671,7 +672,8 @@ MAX_EVENTS_DRAWN = 12
 
 
 def format_queues(snap: EngineSnapshot) -> str:
-    """The queues as text, one line each: what the widget prints above the picture."""
+    """The queues as text, one line each: the explorer's widget shows it under its buttons, and
+    the picture repeats it."""
 
     def describe(rid: str) -> str:
         r = snap.requests[rid]

@@ -2,7 +2,8 @@
 
 Each slider's work is a plain function (in viz.py) that tests call without a browser; a widget
 here only wires a slider to it. The explorer's picture is a pure function of an engine snapshot
-(explorer.py); its widget only wires buttons to an `EngineExplorer`.
+(`viz.draw_snapshot` of `explorer.snapshot`); its widget only wires buttons to an
+`EngineExplorer`.
 
 A widget's own output lives in the widget's state, which a saved notebook does not keep (the
 workbook strips it so that GitHub renders the file). So no widget here draws inside itself: each
@@ -27,10 +28,18 @@ from kvlab.viz import draw_snapshot, format_queues
 LIVE_NOTE = "(redrawn in place by the controls below; a saved notebook keeps the last drawing)"
 
 
-def _text_bundle(text: str) -> dict:
-    """Text as a display bundle: plain for nbval and GitHub, a classed <pre> for the browser."""
-    return {"text/plain": text,
-            "text/html": f'<pre class="kvlab-live-text">{html.escape(text)}</pre>'}
+class _Text:
+    """Text that displays as itself (plain, for nbval, GitHub and a plain script's print) and as
+    a classed <pre> in a browser (tests/test_browser.py finds it by the class)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_html_(self) -> str:
+        return f'<pre class="kvlab-live-text">{html.escape(self.text)}</pre>'
 
 
 class LiveOutput:
@@ -38,27 +47,77 @@ class LiveOutput:
 
     `display(..., display_id=True)` returns a handle whose `update` replaces that output
     wherever it is, also from a button's or slider's callback (checked in JupyterLab by
-    tests/test_browser.py). Outside IPython (a plain script) there is no handle: each drawing
-    is printed after the last. Each figure is closed once shown (no second copy at cell end).
+    tests/test_browser.py). Both outputs are made here, while the cell runs: one first shown
+    from a callback would belong to no cell. Outside IPython (a plain script) there is no
+    handle: each new text is printed. Each figure is closed once shown (no second copy at cell
+    end).
     """
 
     def __init__(self, caption: str, text: str | None = None, fig=None) -> None:
         print(f"{caption} {LIVE_NOTE}")
         self.handles: dict[str, object] = {}
-        self.update(text, fig)
+        try:
+            for name, obj in _parts(text, fig):
+                self.handles[name] = display(obj, display_id=True)
+        finally:
+            if fig is not None:
+                plt.close(fig)
 
     def update(self, text: str | None = None, fig=None) -> None:
-        for name, obj, raw in (("text", None if text is None else _text_bundle(text), True),
-                               ("fig", fig, False)):
-            if obj is None:
-                continue
-            handle = self.handles.get(name)
-            if handle is None:
-                self.handles[name] = display(obj, raw=raw, display_id=True)
-            else:
-                handle.update(obj, raw=raw)
-        if fig is not None:
-            plt.close(fig)
+        try:
+            parts = _parts(text, fig)
+            for name, _ in parts:
+                if name not in self.handles:
+                    raise ValueError(f"this LiveOutput was made without a {name}")
+            for name, obj in parts:
+                handle = self.handles[name]
+                if handle is not None:
+                    handle.update(obj)
+                elif name == "text":
+                    print(text)
+        finally:
+            if fig is not None:
+                plt.close(fig)
+
+
+def _parts(text: str | None, fig) -> list[tuple[str, object]]:
+    """(name, what to display) for the parts given."""
+    parts = []
+    if text is not None:
+        parts.append(("text", _Text(text)))
+    if fig is not None:
+        parts.append(("fig", fig))
+    return parts
+
+
+def _reported(message: widgets.HTML, what: str, call) -> None:
+    """Run a widget's callback; a failure is shown in `message`, not lost in the browser's
+    console, and the widget stays usable."""
+    message.value = ""
+    try:
+        call()
+    except Exception as e:  # bad input, say
+        message.value = f"<b>{html.escape(what)} failed:</b> {html.escape(repr(e))}"
+
+
+def _controls(redraw, **controls):
+    """The controls in a box; every change of a value calls `redraw` with all their values.
+
+    Not a `widgets.interactive`: that runs its function inside its own Output widget, which
+    captures every message of the call, the display updates too (they would never reach the
+    LiveOutput).
+    """
+    message = widgets.HTML()
+
+    def on_change(_) -> None:
+        _reported(message, "redraw",
+                  lambda: redraw(**{name: c.value for name, c in controls.items()}))
+
+    for control in controls.values():
+        control.observe(on_change, names="value")
+    box = widgets.VBox([*controls.values(), message])
+    box.add_class("kvlab-controls")
+    return box
 
 
 def block_size_slider(lengths: list[int], value: int = 16):
@@ -72,29 +131,6 @@ def block_size_slider(lengths: list[int], value: int = 16):
     slider = widgets.IntSlider(value=value, min=1, max=128, step=1, description="block_size",
                                continuous_update=False)
     return _controls(lambda block_size: live.update(*render(block_size)), block_size=slider)
-
-
-def _controls(redraw, **controls):
-    """The controls in a box; every change of a value calls `redraw` with all their values.
-
-    Not a `widgets.interactive`: that runs its function inside its own Output widget, which
-    captures every message of the call, the display updates too (they would never reach the
-    LiveOutput). A failure shows in the box, not in the browser's console.
-    """
-    message = widgets.HTML()
-
-    def on_change(_) -> None:
-        message.value = ""
-        try:
-            redraw(**{name: control.value for name, control in controls.items()})
-        except Exception as e:
-            message.value = f"<b>redraw failed:</b> {html.escape(repr(e))}"
-
-    for control in controls.values():
-        control.observe(on_change, names="value")
-    box = widgets.VBox([*controls.values(), message])
-    box.add_class("kvlab-controls")
-    return box
 
 
 def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
@@ -159,8 +195,8 @@ def engine_explorer(llm_or_engine, *, prompt: str = "Paged attention keeps the K
     block tables, the queues, the last step's token budget and its events.
 
     `llm_or_engine`: an `LLM`, an `LLMEngine`, or an `EngineExplorer` already stepped (so the
-    first picture, the one a saved notebook keeps, shows something worth seeing). Returns the widget box; its
-    `.explorer` is the driver, for reading the engine's state from another cell.
+    first picture, the one a saved notebook keeps, shows something worth seeing). Returns the
+    widget box; its `.explorer` is the driver, for reading the engine's state from another cell.
     """
     ex = (llm_or_engine if isinstance(llm_or_engine, EngineExplorer)
           else EngineExplorer(llm_or_engine, max_tokens=max_tokens))
@@ -184,11 +220,7 @@ def engine_explorer(llm_or_engine, *, prompt: str = "Paged attention keeps the K
         button = widgets.Button(description=name)
 
         def on_click(_):
-            message.value = ""
-            try:
-                redraw(call())
-            except Exception as e:  # bad input, say: shown, not lost in the browser console
-                message.value = f"<b>{html.escape(name)} failed:</b> {html.escape(repr(e))}"
+            _reported(message, name, lambda: redraw(call()))
 
         button.on_click(on_click)
         return button

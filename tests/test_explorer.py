@@ -1,6 +1,6 @@
 """The engine explorer: snapshots of a real engine say what the pool, the queues and the step's
-SchedulerOutput say; the picture is drawn from a snapshot alone; the widgets' static twins are
-shown as ordinary outputs."""
+SchedulerOutput say; the picture is drawn from a snapshot alone; every widget draws as ordinary
+cell outputs that its controls redraw in place."""
 
 from __future__ import annotations
 
@@ -239,20 +239,20 @@ def test_drawing_an_old_snapshot_reads_nothing_from_the_engine(text_ids):
     assert (bare.num_decode_tokens, bare.num_prefill_tokens, bare.events) == (0, 0, [])
 
 
-# ---- widgets: the buttons, and every widget's static twin ----------------------------------
+# ---- widgets: the buttons and sliders redraw their own cell outputs in place ---------------
 class Shown(list):
     """What widgets display as ordinary cell outputs (outside any widget), in order: each
     output's current object, replaced when the widget redraws it in place."""
 
-    def display(self, obj, raw=False, display_id=None):
+    def display(self, obj, display_id=None):
         assert display_id is True  # redrawable: every widget output takes a display id
         index = len(self)
-        self.append(obj["text/plain"] if raw else obj)
+        self.append(repr(obj) if isinstance(obj, widgets._Text) else obj)
         shown = self
 
         class Handle:
-            def update(self, new, raw=False):
-                shown[index] = new["text/plain"] if raw else new
+            def update(self, new):
+                shown[index] = repr(new) if isinstance(new, widgets._Text) else new
                 shown.updates += 1
 
         return Handle()
@@ -266,8 +266,8 @@ def shown(monkeypatch):
     return calls
 
 
-def test_engine_explorer_widget_shows_a_static_snapshot_and_its_buttons_step(text_ids, shown,
-                                                                             capsys):
+def test_engine_explorer_widget_draws_one_picture_and_its_buttons_step(text_ids, shown,
+                                                                        capsys):
     llm = LLM(block_size=4, kv_cache_tokens=64, max_model_len=64)
     ex = EngineExplorer(llm, max_tokens=4)
     ex.add_request(text_ids[:10])
@@ -321,8 +321,23 @@ def test_a_failing_redraw_is_shown_in_the_controls(shown, monkeypatch):
     assert "redraw failed" in box.children[-1].value and "no picture" in box.children[-1].value
 
 
-def test_real_model_sliders_show_static_twins_and_run_their_default_once(shown, monkeypatch,
-                                                                          capsys):
+def test_live_output_outside_ipython_and_a_part_it_was_made_without(capsys):
+    """No IPython shell (a plain script): no display handles, each new text is printed. A part
+    not made at the start cannot appear later (from a callback it would belong to no cell)."""
+    live = widgets.LiveOutput("caption", text="first", fig=plt.figure())
+    live.update(text="second", fig=plt.figure())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("caption (redrawn in place")
+    assert lines[1] == "first" and lines[-1] == "second"  # the text itself, not a mimebundle
+    assert plt.get_fignums() == []  # every figure closed
+    only_text = widgets.LiveOutput("caption", text="x")
+    with pytest.raises(ValueError, match="without a fig"):
+        only_text.update(text="y", fig=plt.figure())
+    assert plt.get_fignums() == []
+
+
+def test_real_model_sliders_run_their_default_once_and_redraw_in_place(shown, monkeypatch,
+                                                                        capsys):
     import kvlab.bench
     import kvlab.bench.scheduling
     from kvlab.bench.scheduling import StallRun

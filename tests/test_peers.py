@@ -28,16 +28,31 @@ def test_decode_ceiling_arithmetic(loaded):
     assert many["tok_s"] > one["tok_s"]
 
 
-def test_compare_peers_without_warmup_times_the_checked_run():
-    """The notebook's shortcut: one run each, checked and timed (a single timing per row)."""
-    from kvlab.bench.peers import compare_peers
+def test_compare_peers_short_warmup_times_the_checked_run(monkeypatch):
+    """The notebook's shortcut: a two-token warm-up per contender, then one run, both checked
+    and timed (one timing per row); the full warm-up is a whole untimed run first."""
+    from kvlab.bench import peers
 
-    out = compare_peers(num_requests=2, input_lens=(16, 24), output_lens=(2, 4), repeats=1,
-                        warmup=False)
+    calls = []
+    real = peers.transformers_generate_batch
+
+    def counted(hf_model, prompts, max_tokens):
+        calls.append((len(prompts), max_tokens))
+        return real(hf_model, prompts, max_tokens)
+
+    monkeypatch.setattr(peers, "transformers_generate_batch", counted)
+    out = peers.compare_peers(num_requests=2, input_lens=(16, 24), output_lens=(2, 4), repeats=1,
+                              warmup="short")
+    assert calls == [(1, 2), (2, 4)]  # the warm-up (one request, two tokens), then the timed run
     assert out["identical_to_kvlab"] == {"transformers generate": "2/2",
                                          "transformers generate_batch": "2/2"}
     for row in out["rows"].values():
         low, high = row["spread_s"]
         assert low == high > 0 and row["useful_tok_s"] > 0
+    calls.clear()
+    peers.compare_peers(num_requests=2, input_lens=(16, 24), output_lens=(2, 4), repeats=1)
+    assert calls == [(2, 4), (2, 4)]  # a whole untimed run, then the timed one
     with pytest.raises(ValueError, match="repeats"):
-        compare_peers(repeats=0)
+        peers.compare_peers(repeats=0)
+    with pytest.raises(ValueError, match="warmup"):
+        peers.compare_peers(warmup="none")

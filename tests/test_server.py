@@ -296,7 +296,7 @@ def test_engine_bug_fails_every_request_in_flight(server, offline, monkeypatch):
     async def go():
         import aiohttp
 
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             async def plain():
                 async with session.post(base + "/v1/completions",
                                         json={**body, "prompt": "One two three"}) as resp:

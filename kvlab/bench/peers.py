@@ -31,44 +31,53 @@ def transformers_generate_batch(hf_model, prompts: list[list[int]], max_tokens: 
 
 
 def compare_peers(num_requests: int = 16, input_lens=(64, 128), output_lens=(96, 128),
-                  repeats: int = 3, model: str | None = None, warmup: bool = True) -> dict:
+                  repeats: int = 3, model: str | None = None, warmup: str = "full") -> dict:
     """Useful output tokens/s of kvlab, `generate` and `generate_batch` on one mixed-length
     workload; the transformers peers run every request to the longest output (they take one
     max_new_tokens), so only the requested tokens count as useful.
 
-    Each contender first runs once untimed, and those outputs are the ones compared; then
-    `repeats` timed runs, interleaved. `warmup=False` times that first run as well (it counts
-    as one of the `repeats`): a notebook's shortcut, since `generate_batch` takes most of the
-    time here, at the price of one-time costs (first-call allocations) inside the timing."""
+    `warmup="full"`: each contender first runs the whole workload untimed (those outputs are
+    the ones compared), then `repeats` timed runs, interleaved. `warmup="short"`, a notebook's
+    shortcut (`generate_batch` takes most of the time here): each first runs one request for
+    two tokens untimed, which pays its one-time costs (first-call allocations, kernel choice),
+    then the compared run is timed too and counts as one of the `repeats`."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if warmup not in ("full", "short"):
+        raise ValueError(f"warmup must be 'full' or 'short', got {warmup!r}")
     loaded = load_model(model)
     tok = loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     n = num_requests
     prompts, params, lens_out = mixed_workload(tok, n, input_lens, output_lens)
     llm = LLM(model, max_model_len=max(input_lens) + max(output_lens) + 16)
-    work = {
-        "kvlab": lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params),
-        "transformers generate": lambda: transformers_generate(
-            loaded.hf_model, prompts, max(lens_out), pad_id),
-        "transformers generate_batch": lambda: transformers_generate_batch(
-            loaded.hf_model, prompts, max(lens_out)),
-    }
-    times: dict[str, list[float]] = {k: [] for k in work}
-    first = {}  # the warm-up's outputs, kept to check the tokens
-    for name, fn in work.items():
+    two = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def run(name: str, batch: list[list[int]], short: bool = False):
+        max_new = 2 if short else max(lens_out)
+        if name == "kvlab":
+            return llm.generate([{"prompt_token_ids": p} for p in batch], two if short else params)
+        if name == "transformers generate":
+            return transformers_generate(loaded.hf_model, batch, max_new, pad_id)
+        return transformers_generate_batch(loaded.hf_model, batch, max_new)
+
+    names = ("kvlab", "transformers generate", "transformers generate_batch")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    first = {}  # each contender's first run over the workload: the outputs compared
+    for name in names:
+        if warmup == "short":
+            run(name, prompts[:1], short=True)
         t0 = time.perf_counter()
-        first[name] = fn()
-        if not warmup:
+        first[name] = run(name, prompts)
+        if warmup == "short":
             times[name].append(time.perf_counter() - t0)
     ours = [o.outputs[0].token_ids for o in first["kvlab"]]
     identical = {name: sum(list(t[:k]) == o for t, k, o in zip(out, lens_out, ours))
                  for name, out in first.items() if name != "kvlab"}
-    for _ in range(repeats if warmup else repeats - 1):  # interleaved
-        for name, fn in work.items():
+    for _ in range(repeats - len(times["kvlab"])):  # interleaved
+        for name in names:
             t0 = time.perf_counter()
-            fn()
+            run(name, prompts)
             times[name].append(time.perf_counter() - t0)
     useful = sum(lens_out)
     rows = {k: {"useful_tok_s": round(useful / statistics.median(t), 1),
