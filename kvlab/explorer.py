@@ -61,7 +61,7 @@ class RequestView:
 @dataclass(frozen=True)
 class Event:
     """Something one step (or the explorer) did. kind: added, admitted, prefix_hit, forked,
-    preempted, copy_on_write, fork_copy, evicted, finished, reset."""
+    preempted, copy_on_write, fork_copy, evicted, finished, reset, unseen_steps."""
 
     step: int
     kind: str
@@ -144,6 +144,13 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
 
     step = engine.num_steps
     events = list(extra_events)
+    if previous is not None and step - previous.step > 1:
+        # Steps ran outside the explorer since `previous` (someone called engine.step()):
+        # diffing against it would pin their admissions, hits and evictions on this one step.
+        events.append(Event(step, "unseen_steps", None,
+                            f"steps {previous.step + 1}-{step - 1} ran outside the explorer; "
+                            "their admissions, prefix hits and evictions are not shown"))
+        previous = None
     num_decode = num_prefill = 0
     if sched is not None:
         num_decode = sched.num_decode_tokens

@@ -73,6 +73,23 @@ def test_blocks_queues_and_budget_follow_the_engine_step_by_step(text_ids):
     assert_no_blocks_held(llm)
 
 
+def test_steps_taken_outside_the_explorer_are_not_pinned_on_the_next_one(text_ids):
+    llm = LLM(block_size=4, kv_cache_tokens=64, max_model_len=64)
+    ex = EngineExplorer(llm, max_tokens=6)
+    ex.add_request(text_ids[:10])
+    ex.add_request(text_ids[20:30])
+    llm.llm_engine.step()  # admits both, outside the explorer
+    llm.llm_engine.step()
+    snap = ex.step()
+    # Diffing against the snapshot before those steps would call both requests admitted now.
+    assert kinds(snap) == [("unseen_steps", None)]
+    assert "steps 1-2 ran outside the explorer" in snap.events[0].detail
+    assert_matches_engine(snap, llm)
+    snap = ex.step()  # back in step with the engine: no note
+    assert not any(e.kind == "unseen_steps" for e in snap.events)
+    ex.run_to_end()
+
+
 def test_a_small_pool_preempts_the_newest_and_the_snapshot_says_so(text_ids):
     # 4 blocks of 4: two 6-token prompts take two blocks each; at the 9th token r0 needs a third.
     llm = LLM(block_size=4, kv_cache_tokens=16, max_model_len=16)
