@@ -155,7 +155,7 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
     if sched is not None:
         num_decode = sched.num_decode_tokens
         num_prefill = sched.total_num_scheduled_tokens - num_decode
-        events += _step_events(step, sched, previous, kv)
+        events += _step_events(step, sched, previous, owners)
     if previous is not None:
         # A block that was free but still keyed, and has lost or changed its key, was handed
         # to someone else: its cached prefix is gone (LRU eviction, chapter 05).
@@ -177,8 +177,10 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
     )
 
 
-def _step_events(step: int, sched, previous: EngineSnapshot | None, kv) -> list[Event]:
-    """What one SchedulerOutput did, read after the step ran (requests have advanced)."""
+def _step_events(step: int, sched, previous: EngineSnapshot | None,
+                 owners: dict[int, list[str]]) -> list[Event]:
+    """What one SchedulerOutput did, read after the step ran (requests have advanced);
+    `owners`: block id -> the requests whose tables hold it."""
     events = [Event(step, "preempted", r.request_id, "its blocks freed; it will recompute")
               for r in sched.preempted]
     if previous is not None:
@@ -197,10 +199,10 @@ def _step_events(step: int, sched, previous: EngineSnapshot | None, kv) -> list[
     for parent, children in sched.forked.items():
         events.append(Event(step, "forked", parent,
                             "shares its blocks with " + ", ".join(c.request_id for c in children)))
-    owner = {blk.block_id: rid for rid, blocks in kv.req_to_blocks.items() for blk in blocks}
     for kind, pairs in (("fork_copy", sched.fork_copies), ("copy_on_write", sched.cow_copies)):
-        for src, dst in pairs:
-            events.append(Event(step, kind, owner.get(dst), f"block {src} -> {dst}"))
+        for src, dst in pairs:  # a copy's destination has one holder, the request it was for
+            holder = owners.get(dst, [None])[-1]
+            events.append(Event(step, kind, holder, f"block {src} -> {dst}"))
     seen = set()
     for r, _ in sched.scheduled:
         for x in [r, *sched.forked.get(r.request_id, [])]:

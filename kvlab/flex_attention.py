@@ -286,19 +286,19 @@ class FlexBackend:
             compiled = use_compiled(self.enforce_eager, common.device)
             self.builder = FlexMaskBuilder(common.num_blocks, common.block_size, common.device,
                                            pad=compiled)
-            if compiled:
-                self.kernel = compiled_flex_attention()
-            if compiled and common.device.type == "cuda":
-                # As vLLM's flex backend does with its own 16-row tiles (get_kernel_options in
-                # vllm/v1/attention/backends/flex_attention.py): the GPU kernel's tiles match
-                # the mask's, and the general kernel is used even for a few query rows.
-                self.kernel_options = {"FORCE_USE_FLEX_ATTENTION": True,
-                                       "BLOCK_M": self.builder.q_tile,
-                                       "BLOCK_N": self.builder.kv_tile}
             if not compiled:
                 from torch.nn.attention.flex_attention import flex_attention
 
                 self.kernel = flex_attention
+            else:
+                self.kernel = compiled_flex_attention()
+                if common.device.type == "cuda":
+                    # As vLLM's flex backend does with its own 16-row tiles (get_kernel_options
+                    # in vllm/v1/attention/backends/flex_attention.py): the GPU kernel's tiles
+                    # match the mask's, and the general kernel is used even for a few query rows.
+                    self.kernel_options = {"FORCE_USE_FLEX_ATTENTION": True,
+                                           "BLOCK_M": self.builder.q_tile,
+                                           "BLOCK_N": self.builder.kv_tile}
         mask = self.builder.build(common.block_table_ids, common.query_start_loc, common.seq_lens)
         return FlexMetadata(slot_mapping=common.slot_mapping, block_mask=mask,
                             padded=self.builder.pad)

@@ -230,13 +230,8 @@ def plot_cow_savings(rows: list[dict]):
                  dict(ls="--", marker="s", ms=4))
         ax.plot([k for k, _ in pts], [100 * v for _, v in pts], color=c, label=label + same,
                 **style)
-    ks = sorted({r["k"] for r in rows})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("n (sampling) or beam width")
-    ax.set_ylabel("peak KV memory saved (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _log2_axes(ax, "n (sampling) or beam width", "peak KV memory saved (%)",
+               ticks=sorted({r["k"] for r in rows}))
     fig.tight_layout()
     return fig
 
@@ -318,12 +313,19 @@ def _concurrency_axes(fig, ax1, ax2, knee: int | None = None) -> None:
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT median (ms)")):
         if knee is not None:
             ax.axvline(knee, color="k", ls="--", lw=1, label=f"KV tokens / request = {knee}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _log2_axes(ax, "concurrency", ylabel)
     fig.tight_layout()
+
+
+def _log2_axes(ax, xlabel: str, ylabel: str, ticks=None, legend_size: int = 8) -> None:
+    """A log2 x axis (ticks at `ticks`, written as plain numbers), labels, legend and grid."""
+    ax.set_xscale("log", base=2)
+    if ticks is not None:
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    ax.grid(alpha=0.3)
 
 
 def plot_capacity(sweep: dict):
@@ -642,12 +644,8 @@ def plot_roofline_sweep(results: dict):
         pts = [r for r in others if r["context"] == c]
         ax1.plot([r["batch"] for r in pts], [r["tok_s"] for r in pts], "s", ms=5,
                  color=_colour(i + 1), label=f"kvlab, context {c}")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xticks(batches, [str(b) for b in batches])
-    ax1.set_xlabel("running requests (decode batch)")
-    ax1.set_ylabel("decode tokens/s")
-    ax1.legend(fontsize=7)
-    ax1.grid(alpha=0.3)
+    _log2_axes(ax1, "running requests (decode batch)", "decode tokens/s", ticks=batches,
+               legend_size=7)
     width = 0.4
     for i, (key, name) in enumerate((("mm", "of ceiling (torch.mm rate)"),
                                      ("peak", "of ceiling (fastest matmul)"))):

@@ -9,11 +9,16 @@ from kvlab.bench import cow_savings, speed
 from kvlab.bench import prefix, scheduling
 
 
+def print_json(row) -> None:
+    """One result as a JSON line, flushed: long runs show each as it comes."""
+    print(json.dumps(row), flush=True)
+
+
 def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
     """Issue 4's targets in one run: throughput ratios, the stall at budget 128 against no
     chunking with its linear fit over budgets, and the engine overhead at 64 running."""
     out = {"throughput": scheduling.throughput_targets(repeats=repeats, model=model)}
-    print(json.dumps(out["throughput"]), flush=True)
+    print_json(out["throughput"])
     runs = scheduling.chunked_prefill_table((64, 128, 256, 512, None), 1024, repeats, model)
     gaps = {str(r.budget): round(1000 * r.max_gap, 1) for r in runs}
     chunked = [r for r in runs if r.budget is not None]
@@ -23,9 +28,9 @@ def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
                                          for r in runs},
                     "unchunked_over_budget_128": round(gaps["None"] / gaps["128"], 2),
                     "fit_ms": [round(1000 * a, 2), round(1000 * b, 4)], "fit_r2": round(r2, 4)}
-    print(json.dumps(out["stall"]), flush=True)
+    print_json(out["stall"])
     out["overhead"] = scheduling.engine_overhead(64, model=model)
-    print(json.dumps(out["overhead"]), flush=True)
+    print_json(out["overhead"])
     return out
 
 
@@ -33,16 +38,16 @@ def prefix_targets(model: str | None = None) -> dict:
     """Issue 5's targets in one run: warm vs cold TTFT for a 2,048-token prefix + 32-token
     tails, the throughput cost with no shared prefix, the attack with and without salts."""
     out = {"cold_warm": prefix.cold_warm_ttft(2048, 32, model=model)}
-    print(json.dumps(out["cold_warm"]), flush=True)
+    print_json(out["cold_warm"])
     out["no_sharing_cost"] = prefix.no_shared_prefix_cost(model=model)
-    print(json.dumps(out["no_sharing_cost"]), flush=True)
+    print_json(out["no_sharing_cost"])
     for salted in (False, True):
         r = prefix.timing_attack(trials=20, salted=salted, model=model)
         r.pop("rows")
         out["attack_salted" if salted else "attack"] = r
-        print(json.dumps(r), flush=True)
+        print_json(r)
     out["salt_table"] = prefix.salt_table(model=model)
-    print(json.dumps(out["salt_table"]), flush=True)
+    print_json(out["salt_table"])
     return out
 
 
@@ -59,7 +64,7 @@ def client_benchmark(args) -> dict:
     out = asyncio.run(run_benchmark(args.base_url, prompts, args.model, args.max_tokens,
                                     args.concurrency, args.request_rate))
     out.pop("results")
-    print(json.dumps(out), flush=True)
+    print_json(out)
     return out
 
 
@@ -153,21 +158,19 @@ def main(argv=None) -> None:
         print(serve_peers.report(rows), flush=True)
     elif args.command == "peers":
         from kvlab.bench import peers
-
         from kvlab.bench.roofline import roofline
 
-        log = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
-        rows = {"roofline": roofline(args.model, log=log)}
+        rows = {"roofline": roofline(args.model, log=print_json)}
         rows["ceiling"] = peers.ceiling_fraction(model=args.model)
-        print(json.dumps(rows["ceiling"]), flush=True)
+        print_json(rows["ceiling"])
         rows["peers"] = peers.compare_peers(repeats=args.repeats, model=args.model)
-        print(json.dumps(rows["peers"]), flush=True)
+        print_json(rows["peers"])
     elif args.command == "roofline":
         from kvlab.bench.roofline import PaddedDecodeBackend, roofline
 
         rows = roofline(args.model, mixed=not args.no_mixed,
                         attention=PaddedDecodeBackend if args.attention == "padded" else None,
-                        log=lambda row: print(json.dumps(row), flush=True))
+                        log=print_json)
     elif args.command == "client":
         rows = client_benchmark(args)
     elif args.command == "compiled-flex":
@@ -183,7 +186,7 @@ def main(argv=None) -> None:
     else:
         rows = cow_savings(tuple(args.prompt_lens), max_tokens=args.max_tokens, model=args.model)
         for row in rows:
-            print(json.dumps(row), flush=True)
+            print_json(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

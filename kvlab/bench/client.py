@@ -63,6 +63,39 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
     return res
 
 
+async def send_all(url: str, bodies: list[dict], concurrency: int,
+                   delays: list[float] | None = None, timeout: aiohttp.ClientTimeout | None = None,
+                   errors_as_results: bool = False) -> tuple[list[StreamResult], float]:
+    """Stream every body to `url`, at most `concurrency` in flight, each sent `delays[i]`
+    seconds after the start (default: all at once); returns the per-request results, in order,
+    and the wall time. With `errors_as_results`, a malformed event or a dropped connection
+    fails its own request (the result's `error`) instead of the whole run."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(session, body, delay):
+        await asyncio.sleep(delay)
+        async with sem:
+            try:
+                return await stream_one(session, url, body)
+            except Exception as e:
+                if not errors_as_results:
+                    raise
+                return StreamResult(error=f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(**({} if timeout is None else {"timeout": timeout})) as session:
+        results = await asyncio.gather(*(one(session, b, d) for b, d in
+                                         zip(bodies, delays or [0.0] * len(bodies))))
+    return list(results), time.perf_counter() - t0
+
+
+def pooled(results: list[StreamResult]):
+    """The requests that succeeded, their TTFTs, every ITL of them pooled, their output tokens."""
+    ok = [r for r in results if r.error is None]
+    return (ok, [r.ttft for r in ok if r.ttft is not None], [x for r in ok for x in r.itls],
+            [r.completion_tokens for r in ok])
+
+
 async def run_benchmark(base_url: str, prompts: list, model: str = "default",
                         max_tokens: int = 32, concurrency: int = 8,
                         request_rate: float | None = None, seed: int = 0,
@@ -71,33 +104,19 @@ async def run_benchmark(base_url: str, prompts: list, model: str = "default",
     second (None: all at once); summarise TTFT, ITL and throughput. A prompt is a string, token
     ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"})."""
     rng = random.Random(seed)
-    sem = asyncio.Semaphore(concurrency)
-    url = base_url.rstrip("/") + "/v1/completions"
-
-    async def one(session, prompt, delay):
-        await asyncio.sleep(delay)
-        async with sem:
-            fields = prompt if isinstance(prompt, dict) else {"prompt": prompt}
-            body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, **(extra or {}), **fields}
-            return await stream_one(session, url, body)
-
+    bodies = [{"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+               **(extra or {}), **(p if isinstance(p, dict) else {"prompt": p})} for p in prompts]
     delays, t = [], 0.0
     for _ in prompts:
         delays.append(t)
         if request_rate:
             t += rng.expovariate(request_rate)
-    t0 = time.perf_counter()
-    async with aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(one(session, p, d) for p, d in zip(prompts, delays)))
-    wall = time.perf_counter() - t0
-    ok = [r for r in results if r.error is None]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [x for r in ok for x in r.itls]
-    tokens = sum(r.completion_tokens for r in ok)
+    results, wall = await send_all(base_url.rstrip("/") + "/v1/completions", bodies,
+                                   concurrency, delays)
+    ok, ttfts, itls, tokens = pooled(results)
     return {
         "requests": len(prompts), "errors": len(results) - len(ok), "concurrency": concurrency,
-        "output_tok_s": round(tokens / wall, 1),
+        "output_tok_s": round(sum(tokens) / wall, 1),
         "ttft_median_ms": round(1000 * statistics.median(ttfts), 1) if ttfts else None,
         "itl_median_ms": round(1000 * percentile(itls, 50), 1) if itls else None,
         "itl_p99_ms": round(1000 * percentile(itls, 99), 1) if itls else None,

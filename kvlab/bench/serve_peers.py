@@ -4,7 +4,7 @@ Defined for notebook 07. `transformers serve --continuous-batching` is what a tr
 runs instead of `kvlab serve`: an OpenAI-compatible FastAPI server over transformers' own
 continuous batching with paged attention. Both servers get the same weights (kvlab's
 de-quantised cache folder), the same text prompts, the same `max_tokens`, greedy, EOS not
-stopping, and the same client (`kvlab.bench.client.stream_one`) streams `/v1/completions` from
+stopping, and the same client (`kvlab.bench.client.send_all`) streams `/v1/completions` from
 both and stamps time to first token (TTFT) and the gaps between streamed chunks (ITL).
 
     python -m kvlab.bench serve-peers [--concurrency 1 8 16] [--json FILE]
@@ -42,7 +42,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlab.bench.client import StreamResult, stream_one
+import aiohttp
+
+from kvlab.bench.client import StreamResult, pooled, send_all
 from kvlab.bench.common import BENCH_TEXT
 from kvlab.bench.scheduling import percentile  # linear between ranks, as numpy's default
 
@@ -61,10 +63,7 @@ class ServerUnavailable(RuntimeError):
 def summarise(server: str, concurrency: int, results: list[StreamResult], wall_s: float) -> dict:
     """One table row: TTFT and ITL medians and p90 (ms) over the requests that succeeded, output
     tokens/s over the wall time of the whole run (failed requests count for nothing)."""
-    ok = [r for r in results if r.error is None]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [x for r in ok for x in r.itls]  # every gap of every request, pooled
-    tokens = [r.completion_tokens for r in ok]
+    ok, ttfts, itls, tokens = pooled(results)
     ms = lambda xs, q: round(1000 * percentile(xs, q), 1) if xs else None  # noqa: E731
     return {
         "server": server, "concurrency": concurrency, "requests": len(results),
@@ -302,26 +301,13 @@ class ServerProcess:
 async def run_level(url: str, spec: ServerSpec, prompts: list[str], max_tokens: int,
                     concurrency: int) -> tuple[list[StreamResult], float]:
     """Every prompt, at most `concurrency` in flight, all arriving at once; returns the per-request
-    results and the wall time."""
-    import aiohttp
-
-    sem = asyncio.Semaphore(concurrency)
-    endpoint = url + "/v1/completions"
-
-    async def one(session, prompt):
-        async with sem:
-            body = {"model": spec.model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, **spec.extra}
-            try:
-                return await stream_one(session, endpoint, body)
-            except Exception as e:  # a malformed event or a dropped connection: one failure
-                return StreamResult(error=f"{type(e).__name__}: {e}")
-
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        results = await asyncio.gather(*(one(session, p) for p in prompts))
-    return list(results), time.perf_counter() - t0
+    results (a malformed event or a dropped connection: that request's failure) and the wall
+    time."""
+    bodies = [{"model": spec.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+               **spec.extra} for p in prompts]
+    return await send_all(url + "/v1/completions", bodies, concurrency,
+                          timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
+                          errors_as_results=True)
 
 
 def measure_server(spec: ServerSpec, log_dir: Path, concurrencies, num_requests,
