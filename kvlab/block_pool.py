@@ -2,13 +2,17 @@
 
 Defined in notebook 01 (allocate / free); ref counts carry copy-on-write in 02 and the free
 queue's order carries prefix-cache eviction in 05. The pool knows nothing about tensors: it hands
-out block ids, and `kv_cache.py` turns ids into memory.
+out block ids, and `kv_cache.py` turns ids into memory. It follows vLLM 0.33.0's
+`vllm/v1/core/block_pool.py`; the contiguous baseline's allocator lives beside it, in
+`kv_cache.ContiguousKVCacheManager`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from kvlab.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 @dataclass
@@ -29,11 +33,16 @@ class BlockPool:
 
     The free queue is an `OrderedDict` (block_id -> block): popping the head and appending to
     the tail are O(1), and so is removing a block from the middle, which prefix caching needs when
-    a freed block is found again and taken back (chapter 05). Its order is the eviction order:
-    least recently freed first.
+    a freed block is found again and taken back (chapter 05). Blocks are taken from its head.
+
+    Its order is vLLM 0.33.0's: a freed block that holds no prefix-cache key (a request's
+    partly filled last block; every block when caching is off) goes to the head, to be reused
+    first (no one can ever hit it, and reusing a block just written keeps memory warm); a keyed
+    block goes to the tail, so cached prefixes survive longest and the head of the keyed part is
+    the least recently freed one (LRU eviction).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -48,6 +57,9 @@ class BlockPool:
         # the other, which a running request still holds. Blocks are never merged, so block
         # tables stay append-only.
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # KV cache events (kvlab/kv_events.py), recorded only when someone will drain them.
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -63,7 +75,8 @@ class BlockPool:
             )
         blocks = []
         for _ in range(num_blocks):
-            # The head is the least recently freed block: the eviction victim (LRU).
+            # The head: an unkeyed block if there is one, else the least recently freed
+            # cached block (the LRU eviction victim).
             _, blk = self.free_queue.popitem(last=False)
             assert blk.ref_cnt == 0, f"block {blk.block_id} was free with ref_cnt {blk.ref_cnt}"
             self._evict(blk)
@@ -79,6 +92,8 @@ class BlockPool:
                 copies.pop(blk.block_id, None)
                 if not copies:
                     del self.cached_block_hash_to_block[blk.block_hash]
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(BlockRemoved([blk.block_hash], [blk.block_id]))
             blk.block_hash = None
 
     def uncache_block(self, blk: KVCacheBlock) -> None:
@@ -90,41 +105,43 @@ class BlockPool:
         copies = self.cached_block_hash_to_block.get(block_hash)
         return next(iter(copies.values())) if copies else None
 
-    def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a full block under its key, beside any other copy of the same prefix."""
-        if blk.block_hash is None:
-            blk.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
+    def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a full block under its key, beside any other copy of the same prefix.
+        Returns False for a block that already has a key (a prefix hit being adopted)."""
+        if blk.block_hash is not None:
+            return False
+        blk.block_hash = block_hash
+        self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
+        return True
 
-    def find_contiguous_free_run(self, num_blocks: int) -> int | None:
-        """First fit: the lowest block id that starts `num_blocks` consecutive free blocks.
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes],
+                          parent_block_hash: bytes | None, token_ids: list[int],
+                          block_size: int) -> None:
+        """Key a run of consecutive full blocks of one request (vLLM: cache_full_blocks), and
+        record one `BlockStored` for those that were not keyed yet."""
+        stored = [(blk, h) for blk, h in zip(blocks, block_hashes) if self.cache_block(blk, h)]
+        if stored and self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockStored(
+                [h for _, h in stored], parent_block_hash, list(token_ids), block_size,
+                [blk.block_id for blk, _ in stored]))
 
-        The pre-vLLM allocators worked this way: a request needs one unbroken region, so free
-        space split into gaps smaller than a region is unusable (external fragmentation).
-        """
-        run_start, run_len = 0, 0
+    def reset_prefix_cache(self) -> bool:
+        """Forget every key, so nothing can hit (vLLM: BlockPool.reset_prefix_cache, used to
+        measure a cold cache or after new weights). Refused, changing nothing, while any block is
+        held: a running request's blocks would lose their keys under it."""
+        if self.get_num_used_blocks() != 0:
+            return False
+        self.cached_block_hash_to_block.clear()
         for blk in self.blocks:
-            if blk.ref_cnt == 0:
-                if run_len == 0:
-                    run_start = blk.block_id
-                run_len += 1
-                if run_len == num_blocks:
-                    return run_start
-            else:
-                run_len = 0
-        return None
+            blk.block_hash = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
 
-    def get_contiguous_blocks(self, num_blocks: int) -> list[KVCacheBlock] | None:
-        """Reserve one unbroken run of blocks, first fit; None if no gap is large enough."""
-        start = self.find_contiguous_free_run(num_blocks)
-        if start is None:
-            return None
-        blocks = self.blocks[start : start + num_blocks]
-        for blk in blocks:
-            del self.free_queue[blk.block_id]  # O(1) removal from the middle of the queue
-            self._evict(blk)
-            blk.ref_cnt = 1
-        return blocks
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (vLLM: take_events)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Add one reference to each block: a forked sequence now shares it, or a prefix-cache
@@ -134,19 +151,27 @@ class BlockPool:
                 del self.free_queue[blk.block_id]
             blk.ref_cnt += 1
 
-    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks that reach 0 join the free queue's tail.
+    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block. Blocks that reach 0 rejoin the free queue:
+        unkeyed ones at its head, keyed ones at its tail (see the class docstring).
 
-        Callers pass a request's blocks in reverse order (last block first), so that when prefix
-        caching keeps freed blocks findable, a request's tail blocks (the least shareable) sit
-        nearer the head of the queue and are evicted first.
+        `ordered_blocks` come in eviction order, the first to be reused first: callers pass a
+        request's blocks last block first, so its tail blocks (the least shareable) are evicted
+        before its prefix.
         """
-        for blk in blocks:
+        for blk in ordered_blocks:  # check first: a bad call changes nothing
             if blk.ref_cnt <= 0:
                 raise RuntimeError(f"block {blk.block_id} freed more times than it was taken")
+        to_head, to_tail = [], []
+        for blk in ordered_blocks:
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                self.free_queue[blk.block_id] = blk
+                (to_tail if blk.block_hash is not None else to_head).append(blk)
+        for blk in to_tail:
+            self.free_queue[blk.block_id] = blk
+        for blk in reversed(to_head):  # the first given ends up at the very head
+            self.free_queue[blk.block_id] = blk
+            self.free_queue.move_to_end(blk.block_id, last=False)
 
     def check_invariants(self) -> None:
         """Free means ref_cnt 0 and in the queue; nothing is both; counts add up."""

@@ -36,6 +36,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--prefix-caching-hash-algo", default="sha256")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM 0.33.0's scheduler flags (vllm/config/scheduler.py), with vLLM's defaults.
+    p.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
+                   default=True, help="admit a request only when its whole prompt fits")
+    p.add_argument("--watermark", type=float, default=0.0,
+                   help="fraction of KV blocks an admission must leave free")
     # vLLM's two flags (vllm/engine/arg_utils.py); vLLM's --attention-backend takes its own
     # backends' names (FLASH_ATTN, FLEX_ATTENTION, CPU_ATTN: vllm/v1/attention/backends/
     # registry.py), kvlab's takes kvlab's three.
@@ -65,6 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill,
+            "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
+            "watermark": args.watermark,
             "backend": args.attention_backend, "enforce_eager": args.enforce_eager}
 
 
@@ -90,8 +97,10 @@ def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     if salt_secret is not None and api_keys is None:
         raise ValueError("a salt secret (--salt-secret-file / KVLAB_SALT_SECRET) is only used "
                          "with API keys (--api-keys-file / KVLAB_API_KEYS)")
+    # vLLM's switch for its development routes (POST /reset_prefix_cache among them).
+    dev_mode = environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     return {"enable_prompt_tokens_details": args.enable_prompt_tokens_details,
-            "api_keys": api_keys, "salt_secret": salt_secret}
+            "api_keys": api_keys, "salt_secret": salt_secret, "dev_mode": dev_mode}
 
 
 def main(argv=None) -> None:

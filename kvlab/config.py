@@ -57,6 +57,13 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill + decode)
     max_model_len: int | None = None  # prompt + output limit; None: the model's context length
     enable_chunked_prefill: bool = True  # split long prompts over several steps (vLLM v1 default)
+    # vLLM 0.33.0's name and default (vllm/config/scheduler.py): admit a waiting request only
+    # when its whole prompt fits in the free blocks, not just its first chunk, so chunked
+    # prefill does not over-admit and then preempt (chapter 04 measures both settings).
+    scheduler_reserve_full_isl: bool = True
+    # vLLM's name and default (vllm/config/scheduler.py): the fraction of all KV blocks an
+    # admission must leave free while other requests run; 0 disables it.
+    watermark: float = 0.0
     # Reuse full KV blocks of shared prefixes (chapter 05). vLLM's default is True; kvlab's is
     # False so that chapters 00-04 measure what they say, with no cache in between.
     enable_prefix_caching: bool = False
@@ -82,6 +89,9 @@ class EngineConfig:
     # separates them. "child_requests": vLLM v1's way (vllm/v1/engine/parallel_sampling.py):
     # n independent requests that share only full prompt blocks, through the prefix cache.
     parallel_sampling: str = "fork"
+    # kvlab-only: run the block pool's full consistency check after every step, so a broken
+    # pool (a participant's exercise) is caught at the step that broke it. Costs O(blocks).
+    debug_checks: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -95,6 +105,13 @@ class EngineConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, allow_none=True)
         check_int("max_model_len", self.max_model_len, minimum=2, allow_none=True)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_bool("scheduler_reserve_full_isl", self.scheduler_reserve_full_isl)
+        if isinstance(self.watermark, bool) or not isinstance(self.watermark, numbers.Real):
+            raise TypeError(f"watermark must be a float, got {type(self.watermark).__name__} "
+                            f"{self.watermark!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        check_bool("debug_checks", self.debug_checks)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("scheduling", self.scheduling, SCHEDULING_POLICIES)
         check_choice("device", self.device, DEVICES)

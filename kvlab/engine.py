@@ -29,7 +29,9 @@ from kvlab.output_processor import OutputProcessor
 from kvlab.outputs import RequestOutput
 from kvlab.request import Request, RequestGroup
 from kvlab.sampling import RequestOutputKind, Sampler, SamplingParams
-from kvlab.scheduler import Scheduler, SchedulerOutput
+from kvlab.group_scheduler import GroupScheduler
+from kvlab.kv_events import KVCacheEvent
+from kvlab.scheduler import SchedulerOutput
 
 # Default KV budget when kv_cache_tokens is not given (vLLM sizes it from free GPU memory).
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
@@ -67,16 +69,19 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
-        self.kv_cache_manager = make_kv_cache_manager(config)
+        # KV cache events are always recorded: the engine drains them every step into
+        # `kv_events` (bounded), where the explorer reads them.
+        self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # vLLM's scheduler with chapter 02's groups (forked samples, beams) beside it.
+        self.scheduler = GroupScheduler(config, self.kv_cache_manager)
         # Unseeded sampling draws from the engine's own generator (seeded by `seed`): no global
         # random state, so two engines in one notebook never disturb each other.
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.kv_cache_manager,
-                                        self.device, Sampler(self.device, config.seed))
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.device,
+                                        Sampler(self.device, config.seed))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}  # every sample of an unfinished request
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
@@ -88,6 +93,10 @@ class LLMEngine:
         # The last step's decision, kept for reading only (the engine explorer in
         # kvlab/explorer.py draws its token budget, preemptions and copies); never fed back.
         self.last_scheduler_output: SchedulerOutput | None = None
+        # (step number, event): the block pool's KV cache events (kvlab/kv_events.py), drained
+        # after every step and outside one (aborts, resets); the most recent ones only.
+        self.kv_events: deque[tuple[int, KVCacheEvent]] = deque(maxlen=100_000)
+        self.num_kv_events = 0  # ever logged: a reader remembers it to find what is new
 
     def _default_kv_tokens(self) -> int:
         if self.device.type == "cuda":
@@ -196,6 +205,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix, so the next requests run cold (vLLM:
+        LLMEngine.reset_prefix_cache). Refused (False, nothing changes) while requests hold
+        blocks, unless `reset_running_requests`, which preempts them first (they recompute)."""
+        ok = self.scheduler.reset_prefix_cache(reset_running_requests)
+        self.drain_kv_events()
+        return ok
+
+    def drain_kv_events(self) -> None:
+        """Move the block pool's new events into `kv_events`, stamped with the step count."""
+        for event in self.kv_cache_manager.take_events():
+            self.kv_events.append((self.num_steps, event))
+            self.num_kv_events += 1
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
@@ -203,9 +226,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, update the requests, and report those that changed."""
         start = time.perf_counter()
+        self.drain_kv_events()  # what aborts and resets did since the last step
         sched = self.scheduler.schedule()
         self.last_scheduler_output = sched
         if not sched.scheduled:
+            self.drain_kv_events()
             return []
         try:
             result = self.model_runner.execute_model(sched)
@@ -223,6 +248,9 @@ class LLMEngine:
             self.scheduler.finish_request(request, "stop", stop_reason=stop)
             request.metrics.finished_time = request.metrics.token_times[-1]
         self.record_step(sched, start)
+        self.drain_kv_events()
+        if self.config.debug_checks:
+            self.kv_cache_manager.check_invariants()
         outputs = self.output_processor.make_outputs(touched)
         for out in outputs:
             if out.finished:
@@ -243,6 +271,7 @@ class LLMEngine:
                 self.abort_request(rid)
             elif rid in self.parents:
                 self._end(rid, "error")
+        self.drain_kv_events()
         return failed
 
     def record_step(self, sched: SchedulerOutput, start: float) -> None:
@@ -330,6 +359,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        scheduler_reserve_full_isl: bool = True,
+        watermark: float = 0.0,
         enable_prefix_caching: bool = False,
         prefix_caching_hash_algo: str = "sha256",
         scheduling: str = "continuous",
@@ -339,16 +370,19 @@ class LLM:
         backend: str = "auto",
         enforce_eager: bool | None = None,
         parallel_sampling: str = "fork",
+        debug_checks: bool = False,
     ) -> None:
         config = EngineConfig(  # validates every knob before anything is loaded
             model=model, block_size=block_size, kv_layout=kv_layout,
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo, scheduling=scheduling,
             device=device, dtype=dtype, seed=seed, backend=backend,
             enforce_eager=enforce_eager, parallel_sampling=parallel_sampling,
+            debug_checks=debug_checks,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0
@@ -358,6 +392,12 @@ class LLM:
 
     def stats(self) -> dict:
         return self.llm_engine.stats()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's `LLM.reset_prefix_cache`: forget every cached prefix so the next `generate`
+        runs cold (benchmarks and chapters use it instead of building a new engine). False
+        while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def generate(
         self,

@@ -13,8 +13,11 @@ and eviction). Three layers, so that everything but the buttons is tested withou
   fresh snapshot after each call. `kvlab.widgets.engine_explorer` wires buttons to it.
 
 vLLM has no such view; the pieces it reads are vLLM's own: the block pool's ref counts and free
-queue (`vllm/v1/core/block_pool.py`), the block tables (`vllm/v1/core/kv_cache_manager.py`) and
-the `SchedulerOutput` of one step (`vllm/v1/core/sched/output.py`).
+queue (`vllm/v1/core/block_pool.py`), the block tables (`vllm/v1/core/kv_cache_manager.py`),
+the `SchedulerOutput` of one step (`vllm/v1/core/sched/output.py`: who was admitted, with how
+many prompt tokens found in the cache) and the block pool's KV cache events
+(`vllm/distributed/kv_events.py`: which cached blocks were evicted), which the engine keeps in
+`engine.kv_events` whoever stepped it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class BlockView:
 @dataclass(frozen=True)
 class RequestView:
     request_id: str
-    status: str  # "waiting" | "running"
+    status: str  # "waiting" | "preempted" | "running" (vLLM's RequestStatus values)
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V is in the pool
     num_output_tokens: int
@@ -60,8 +63,8 @@ class RequestView:
 
 @dataclass(frozen=True)
 class Event:
-    """Something one step (or the explorer) did. kind: added, admitted, prefix_hit, forked,
-    preempted, copy_on_write, fork_copy, evicted, finished, reset, unseen_steps."""
+    """Something one step (or the explorer) did. kind: added, admitted, resumed, prefix_hit,
+    forked, preempted, copy_on_write, fork_copy, evicted, cache_cleared, finished, reset."""
 
     step: int
     kind: str
@@ -95,6 +98,9 @@ class EngineSnapshot:
     # Request id -> colour index, kept from snapshot to snapshot so a request keeps its colour.
     colours: dict[str, int] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    # How many KV cache events the engine had logged (engine.kv_events) when this was taken:
+    # the next snapshot reads the ones after it.
+    num_kv_events: int = 0
 
     def count(self, state: str) -> int:
         return sum(1 for b in self.blocks if b.state == state)
@@ -109,9 +115,10 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
     """Read `engine` (an `LLMEngine`) into an `EngineSnapshot`, without changing it.
 
     Pass the step's `SchedulerOutput` (`engine.last_scheduler_output`) right after
-    `engine.step()` for the token budget and the step's preemptions, forks, copies and
-    finishes. Admissions, prefix hits and evictions are differences from the state before the
-    step, so they need `previous`, the snapshot taken then (`EngineExplorer` keeps it).
+    `engine.step()` for the token budget and the step's admissions (with their prefix hits),
+    preemptions, forks, copies and finishes. Evictions come from the engine's KV cache events
+    since `previous` (the snapshot before; `EngineExplorer` keeps it), stamped with the step
+    they happened in, even a step someone else took.
     """
     sched = last_scheduler_output
     scheduler, kv = engine.scheduler, engine.kv_cache_manager
@@ -132,7 +139,7 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
                         blk.block_id in copied)
               for blk in pool.blocks]
     requests = {
-        r.request_id: RequestView(r.request_id, "running" if r in scheduler.running else "waiting",
+        r.request_id: RequestView(r.request_id, r.status.value,
                                   r.num_prompt_tokens, r.num_computed_tokens,
                                   len(r.output_token_ids), r.sampling_params.max_tokens,
                                   r.cache_salt)
@@ -144,26 +151,12 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
 
     step = engine.num_steps
     events = list(extra_events)
-    if previous is not None and step - previous.step > 1:
-        # Steps ran outside the explorer since `previous` (someone called engine.step()):
-        # diffing against it would pin their admissions, hits and evictions on this one step.
-        events.append(Event(step, "unseen_steps", None,
-                            f"steps {previous.step + 1}-{step - 1} ran outside the explorer; "
-                            "their admissions, prefix hits and evictions are not shown"))
-        previous = None
     num_decode = num_prefill = 0
     if sched is not None:
         num_decode = sched.num_decode_tokens
         num_prefill = sched.total_num_scheduled_tokens - num_decode
-        events += _step_events(step, sched, previous, owners)
-    if previous is not None:
-        # A block that was free but still keyed, and has lost or changed its key, was handed
-        # to someone else: its cached prefix is gone (LRU eviction, chapter 05).
-        for before, now in zip(previous.blocks, blocks):
-            if before.state == CACHED and now.key != before.key:
-                holder = f", now held by {now.owners[0]}" if now.owners else ""
-                events.append(Event(step, "evicted", None, f"block {now.block_id}, key "
-                                                           f"{before.key[:4]}{holder}"))
+        events += _step_events(step, sched, owners)
+    events += _cache_events(engine, previous, blocks)
     return EngineSnapshot(
         step=step, block_size=bs, kv_layout=engine.config.kv_layout, blocks=blocks,
         block_tables={r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running},
@@ -171,31 +164,51 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
         running=[r.request_id for r in scheduler.running],
         requests=requests, token_budget=engine.config.max_num_batched_tokens,
         num_decode_tokens=num_decode, num_prefill_tokens=num_prefill, events=events,
-        colours=colours,
+        colours=colours, num_kv_events=engine.num_kv_events,
         stats={"num_preemptions": scheduler.num_preemptions, "num_cow_copies": kv.num_cow_copies,
                "prefix_cache_hits": kv.prefix_cache_hits},  # first admissions, as vLLM
     )
 
 
-def _step_events(step: int, sched, previous: EngineSnapshot | None,
-                 owners: dict[int, list[str]]) -> list[Event]:
+def _cache_events(engine, previous: EngineSnapshot | None,
+                  blocks: list[BlockView]) -> list[Event]:
+    """Evictions and resets from the engine's KV cache events since `previous` was taken."""
+    from kvlab.kv_events import AllBlocksCleared, BlockRemoved
+
+    log = engine.kv_events
+    if previous is not None:  # everything logged since, up to what the log still holds
+        n = min(engine.num_kv_events - previous.num_kv_events, len(log))
+        new = list(log)[len(log) - n:] if n > 0 else []
+    else:  # no earlier snapshot: this step's events only
+        new = [(s, e) for s, e in log if s >= engine.num_steps]
+    events = []
+    for s, event in new:
+        if isinstance(event, BlockRemoved):
+            for block_id, key in zip(event.block_ids, event.block_hashes):
+                now = blocks[block_id]
+                holder = f", now held by {now.owners[0]}" if now.owners else ""
+                events.append(Event(s, "evicted", None,
+                                    f"block {block_id}, key {key.hex()[:4]}{holder}"))
+        elif isinstance(event, AllBlocksCleared):
+            events.append(Event(s, "cache_cleared", None, "reset_prefix_cache(): every key "
+                                                          "dropped"))
+    return events
+
+
+def _step_events(step: int, sched, owners: dict[int, list[str]]) -> list[Event]:
     """What one SchedulerOutput did, read after the step ran (requests have advanced);
     `owners`: block id -> the requests whose tables hold it."""
     events = [Event(step, "preempted", r.request_id, "its blocks freed; it will recompute")
               for r in sched.preempted]
-    if previous is not None:
-        for r, num_new in sched.scheduled:
-            if r.request_id in previous.running:
-                continue
-            # Admitted this step. The scheduler set num_computed_tokens to the prefix-cache
-            # hit, then the step computed num_new more: the hit is what is left.
-            before = previous.requests.get(r.request_id)
-            hit = r.num_computed_tokens - num_new - (before.num_computed_tokens if before else 0)
-            events.append(Event(step, "admitted", r.request_id,
-                                f"{num_new} token{'s' * (num_new != 1)} this step"))
-            if hit > 0:
-                events.append(Event(step, "prefix_hit", r.request_id,
-                                    f"{hit} prompt tokens found in the cache", num_tokens=hit))
+    for new in sched.scheduled_new_reqs:
+        num_new = sched.num_scheduled_tokens[new.req_id]
+        resumed = new.req_id in sched.resumed_req_ids
+        events.append(Event(step, "resumed" if resumed else "admitted", new.req_id,
+                            f"{num_new} token{'s' * (num_new != 1)} this step"))
+        if new.num_computed_tokens > 0:  # the scheduler's prefix-cache hit at admission
+            events.append(Event(step, "prefix_hit", new.req_id,
+                                f"{new.num_computed_tokens} prompt tokens found in the cache",
+                                num_tokens=new.num_computed_tokens))
     for parent, children in sched.forked.items():
         events.append(Event(step, "forked", parent,
                             "shares its blocks with " + ", ".join(c.request_id for c in children)))

@@ -16,7 +16,7 @@ position p lives in block `block_table[p // block_size]`, slot `p % block_size`.
 
 The scheduler only ever calls the methods the two share: `allocate_slots`, `fork`,
 `get_computed_blocks`, `record_prefix_cache_stats`, `free`, `take_pending_copies`,
-`take_fork_copies`.
+`take_fork_copies`, `reset_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from kvlab.block_pool import BlockPool, KVCacheBlock
+from kvlab.kv_events import KVCacheEvent
 from kvlab.prefix_cache import extend_block_hashes
+from kvlab.request import RequestStatus
 
 
 def allocate_kv_cache(
@@ -56,7 +58,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = False, hash_algo: str = "sha256"):
+                 enable_prefix_caching: bool = False, hash_algo: str = "sha256",
+                 watermark: float = 0.0, enable_kv_cache_events: bool = False):
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
@@ -70,7 +75,12 @@ class KVCacheManager:
         self.prefix_cache_preempted_queries = 0
         self.prefix_cache_preempted_hits = 0
         self.num_registered_blocks: dict[str, int] = {}  # request -> its blocks already keyed
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, enable_kv_cache_events)
+        # vLLM's watermark (vllm/config/scheduler.py, default 0): blocks an admission must leave
+        # free, so that the requests already running can grow a while before anyone is preempted.
+        # vLLM multiplies by its pool's size, which counts its null block (block 0, never
+        # handed out); kvlab's pool of N blocks is vLLM's of N + 1, so the same rounding.
+        self.watermark_blocks = int(watermark * (num_blocks + 1))
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.peak_blocks_used = 0
         # (src, dst) block ids whose K/V must be copied before the next forward: copy-on-write
@@ -90,7 +100,9 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] = (), request=None) -> bool:
+                       new_computed_blocks: list[KVCacheBlock] = (), request=None, *,
+                       full_sequence_must_fit: bool = False,
+                       has_scheduled_reqs: bool = True) -> bool:
         """Make the request's block table cover its first `num_tokens` tokens, ready for the
         tokens from `num_computed_tokens` on to be written.
 
@@ -98,6 +110,10 @@ class KVCacheManager:
         are passed, which reads more directly in the notebooks.)
         All or nothing: returns False, holding nothing new, if the pool cannot cover them.
         `new_computed_blocks` are prefix-cache hits (chapter 05) that start the block table.
+        `full_sequence_must_fit` (the scheduler passes vLLM's `scheduler_reserve_full_isl` when
+        it admits a request): refuse unless the request's whole sequence would fit now, not
+        only this step's chunk, so a long prompt is not admitted only to be preempted half-way.
+        The watermark applies to waiting and preempted requests while others are scheduled.
         A block about to be written that other sequences still share (ref_cnt > 1) is first
         copied to a fresh block: copy-on-write (chapter 02). With prefix caching, the blocks
         that this step fills are keyed here, before the forward, as vLLM's allocate_slots does
@@ -109,10 +125,13 @@ class KVCacheManager:
         # Shared blocks among those this step writes into (only ever the last one after a fork).
         first = num_computed_tokens // self.block_size
         shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
-        # Hits still in the free queue count as free now, but will not be once taken.
-        free = self.block_pool.get_num_free_blocks()
-        free -= sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
-        if max(num_new, 0) + len(shared) > free:
+        if full_sequence_must_fit and request is not None:
+            full = min(request.num_tokens, self.max_model_len or request.num_tokens)
+            if not self.fits(request_id, full, new_computed_blocks, len(shared), request,
+                             has_scheduled_reqs):
+                return False
+        if not self.fits(request_id, num_tokens, new_computed_blocks, len(shared), request,
+                         has_scheduled_reqs):
             return False
         # Take the hits out of the free queue first, so popping fresh blocks below cannot evict
         # the very blocks this request is about to reuse.
@@ -131,6 +150,20 @@ class KVCacheManager:
             self.cache_blocks(request, num_tokens)
         self._note_peak()
         return True
+
+    def fits(self, request_id: str, num_tokens: int, new_computed_blocks=(),
+             num_copies: int = 0, request=None, has_scheduled_reqs: bool = True) -> bool:
+        """Whether the free blocks can cover the request's first `num_tokens` tokens now:
+        the missing blocks, `num_copies` copy-on-write copies, the hits still in the free queue
+        (free now, taken once adopted), and the watermark, which holds back waiting and
+        preempted requests while others are scheduled."""
+        have = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        need = max(self.num_blocks_for(num_tokens) - have, 0) + num_copies
+        need += sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
+        if (request is not None and has_scheduled_reqs
+                and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)):
+            need += self.watermark_blocks
+        return need <= self.block_pool.get_num_free_blocks()
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """Give `child_id` the parent's tokens without copying them (the PagedAttention paper's
@@ -212,9 +245,21 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.token_ids, num_full * self.block_size,
                             self.block_size, request.cache_salt, self.hash_algo)
         blocks = self.req_to_blocks[request.request_id]
-        for i in range(done, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        bs = self.block_size
+        self.block_pool.cache_full_blocks(
+            blocks[done:num_full], request.block_hashes[done:num_full],
+            request.block_hashes[done - 1] if done else None,
+            request.token_ids(done * bs, num_full * bs), bs)
         self.num_registered_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM: KVCacheManager.reset_prefix_cache). False, and
+        nothing changes, while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV cache events since the last call (the block pool records them)."""
+        return self.block_pool.take_events()
 
     def uncache_unwritten_blocks(self, request) -> None:
         """Forget the keys of blocks keyed for a step that never ran (an exception or an
@@ -239,6 +284,19 @@ class KVCacheManager:
                                         if c[1] not in freed]
             self.block_pool.free_blocks(list(reversed(blocks)))
 
+    def check_invariants(self) -> None:
+        """The pool's own check, and: every block's ref_cnt is the number of block tables
+        that hold it (`debug_checks=True` runs this after every step)."""
+        self.block_pool.check_invariants()
+        held: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for blk in blocks:
+                held[blk.block_id] = held.get(blk.block_id, 0) + 1
+        for blk in self.block_pool.blocks:
+            assert blk.ref_cnt == held.get(blk.block_id, 0), (
+                f"block {blk.block_id} has ref_cnt {blk.ref_cnt} but "
+                f"{held.get(blk.block_id, 0)} block tables hold it")
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [blk.block_id for blk in self.req_to_blocks.get(request_id, [])]
 
@@ -251,16 +309,49 @@ class ContiguousKVCacheManager(KVCacheManager):
     request, reserved at admission, first fit. Regions cannot be shared, so there is no prefix
     caching and a fork copies the whole region."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int):
-        super().__init__(num_blocks, block_size, max_model_len)
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 enable_kv_cache_events: bool = False):
+        super().__init__(num_blocks, block_size, max_model_len,
+                         enable_kv_cache_events=enable_kv_cache_events)
         self.share_blocks = False
 
+    def find_contiguous_free_run(self, num_blocks: int) -> int | None:
+        """First fit: the lowest block id that starts `num_blocks` consecutive free blocks.
+
+        The pre-vLLM allocators worked this way: a request needs one unbroken region, so free
+        space split into gaps smaller than a region is unusable (external fragmentation).
+        """
+        run_start, run_len = 0, 0
+        for blk in self.block_pool.blocks:
+            if blk.ref_cnt == 0:
+                if run_len == 0:
+                    run_start = blk.block_id
+                run_len += 1
+                if run_len == num_blocks:
+                    return run_start
+            else:
+                run_len = 0
+        return None
+
+    def get_contiguous_blocks(self, num_blocks: int) -> list[KVCacheBlock] | None:
+        """Reserve one unbroken run of blocks, first fit; None if no gap is large enough.
+        (Regions are never keyed, so taking them out of the free queue evicts nothing.)"""
+        start = self.find_contiguous_free_run(num_blocks)
+        if start is None:
+            return None
+        region = self.block_pool.blocks[start : start + num_blocks]
+        self.block_pool.touch(region)  # out of the free queue, ref_cnt 0 -> 1
+        return region
+
     def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] = (), request=None) -> bool:
+                       new_computed_blocks: list[KVCacheBlock] = (), request=None, *,
+                       full_sequence_must_fit: bool = False,
+                       has_scheduled_reqs: bool = True) -> bool:
         if request_id not in self.req_to_blocks:
             # Reserve for the longest the request could ever get, as FasterTransformer-era
-            # servers did: the output length is unknown when the request is admitted.
-            region = self.block_pool.get_contiguous_blocks(self.num_blocks_for(self.max_model_len))
+            # servers did: the output length is unknown when the request is admitted. (So the
+            # whole sequence always fits once admitted: full_sequence_must_fit adds nothing.)
+            region = self.get_contiguous_blocks(self.num_blocks_for(self.max_model_len))
             if region is None:
                 return False
             self.req_to_blocks[request_id] = region
@@ -269,14 +360,15 @@ class ContiguousKVCacheManager(KVCacheManager):
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         parent = self.req_to_blocks[parent_id]
-        region = self.block_pool.get_contiguous_blocks(len(parent))
+        region = self.get_contiguous_blocks(len(parent))
         return region is not None and self._fork_by_copy(parent, child_id, region)
 
 
-def make_kv_cache_manager(config) -> KVCacheManager:
+def make_kv_cache_manager(config, enable_kv_cache_events: bool = False) -> KVCacheManager:
     """The manager for an EngineConfig's kv_layout."""
     if config.kv_layout == "contiguous":
         return ContiguousKVCacheManager(config.num_blocks, config.block_size,
-                                        config.max_model_len)
+                                        config.max_model_len, enable_kv_cache_events)
     return KVCacheManager(config.num_blocks, config.block_size, config.max_model_len,
-                          config.enable_prefix_caching, config.prefix_caching_hash_algo)
+                          config.enable_prefix_caching, config.prefix_caching_hash_algo,
+                          config.watermark, enable_kv_cache_events)

@@ -4,7 +4,8 @@ Builds the flat batch vLLM-style (`vllm/v1/worker/gpu_model_runner.py`): every s
 request's new tokens concatenated, their positions, the pool slot each new K/V goes to (slot
 mapping), and each request's block table; the attention backend chosen at start turns those
 into its own metadata. Then one forward, logits only for the sequences that reached their end,
-and one batched sampler call.
+and one batched sampler call. Like vLLM's, the runner never asks the KV cache manager anything:
+the `SchedulerOutput` carries each scheduled request's block table.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import time
 import torch
 
 from kvlab.attention_metadata import CommonAttentionMetadata
-from kvlab.kv_cache import KVCacheManager
 from kvlab.model import Transformer
 from kvlab.request import Request
 from kvlab.sampling import Sampler
@@ -27,22 +27,20 @@ class ModelRunner:
         self,
         model: Transformer,
         kv_cache: torch.Tensor,
-        kv_cache_manager: KVCacheManager,
         device: torch.device,
         sampler: Sampler,
     ) -> None:
         self.model = model
         self.attn_backend = model.attn_backend
         self.kv_cache = kv_cache
-        self.kv_cache_manager = kv_cache_manager  # read only: the block tables
-        self.block_size = kv_cache_manager.block_size
+        self.block_size = kv_cache.shape[3]
         # (layers, 2, blocks, block_size, Hkv, D): K and V of one token in one layer
         self.layer_kv_bytes_per_token = kv_cache[0, :, 0, 0].numel() * kv_cache.element_size()
         self.device = device
         self.sampler = sampler
         self.last_forward_time = 0.0
 
-    def prepare(self, scheduled: list[tuple[Request, int]]):
+    def prepare(self, sched: SchedulerOutput):
         """Flat input ids, positions and the backend's attention metadata for one step."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -51,10 +49,10 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_ids_per_seq: list[list[int]] = []
         bs = self.block_size
-        for request, num_new in scheduled:
+        for request, num_new in sched.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            block_ids = sched.block_ids[request.request_id]
             input_ids += request.token_ids(start, end)
             positions += range(start, end)
             # Position p goes to slot p % block_size of logical block p // block_size.
@@ -93,7 +91,7 @@ class ModelRunner:
         position is not the end of its sequence, so there is nothing to predict yet."""
         self.copy_blocks(sched.fork_copies)
         self.copy_blocks(sched.cow_copies)
-        ids, pos, meta = self.prepare(sched.scheduled)
+        ids, pos, meta = self.prepare(sched)
         rows: list[int] = []  # the flat-batch row each done sequence samples from
         samplers: list[Request] = []  # who samples from it (forked samples share their parent's)
         end = 0

@@ -22,8 +22,13 @@ class RequestGroup:
 
 
 class RequestStatus(enum.Enum):
+    """vLLM's states (vllm/v1/request.py), less those kvlab has no use for."""
+
     WAITING = "waiting"
     RUNNING = "running"
+    # Its blocks were taken back to make room (chapter 03); it waits at the head of the queue
+    # and recomputes its prompt and output so far when re-admitted.
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 

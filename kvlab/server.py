@@ -423,9 +423,13 @@ OPEN_ROUTES = ("/health", "/metrics")
 def build_app(llm: LLM, model_name: str | None = None,
               enable_prompt_tokens_details: bool = False,
               api_keys: dict[str, str] | None = None,
-              salt_secret: bytes | None = None) -> web.Application:
+              salt_secret: bytes | None = None,
+              dev_mode: bool = False) -> web.Application:
     """The server's aiohttp app. `api_keys` ({key: tenant}) turns on key mode, with the tenants'
-    salts derived from `salt_secret` (a random one when None: see `kvlab.tenants`)."""
+    salts derived from `salt_secret` (a random one when None: see `kvlab.tenants`). `dev_mode`
+    adds vLLM's development routes (`VLLM_SERVER_DEV_MODE=1` in vLLM: `POST
+    /reset_prefix_cache`, vllm/entrypoints/serve/dev/cache/api_router.py); off by default, as
+    there: any client could wipe every tenant's cached prefixes."""
     if api_keys is None and salt_secret is not None:
         raise ValueError("salt_secret is only used with api_keys (key mode)")
     keys = TenantKeys(api_keys, salt_secret) if api_keys is not None else None
@@ -611,6 +615,22 @@ def build_app(llm: LLM, model_name: str | None = None,
         reason = engine.dead_reason or "the engine loop thread is not running"
         return RequestFailed(reason, 503, "ServiceUnavailableError").response()
 
+    async def reset_prefix_cache(request: web.Request) -> web.Response:
+        # vLLM's answer: {"success": bool}; False while requests hold blocks, unless
+        # ?reset_running_requests=true, which preempts them first (they recompute).
+        reset_running = request.query.get("reset_running_requests", "false").lower() in (
+            "true", "1")
+
+        def reset() -> bool:
+            with engine.lock:
+                return engine.engine.reset_prefix_cache(reset_running)
+
+        ok = await asyncio.get_running_loop().run_in_executor(None, reset)
+        logger.info("reset_prefix_cache: %s", "done" if ok else "refused, blocks are in use")
+        return web.json_response({"success": bool(ok)})
+
+    if dev_mode:
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/metrics", metrics)

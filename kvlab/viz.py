@@ -675,8 +675,10 @@ def format_queues(snap: EngineSnapshot) -> str:
 
     def describe(rid: str) -> str:
         r = snap.requests[rid]
-        return (f"{rid} [{r.num_computed_tokens}/{r.num_prompt_tokens + r.num_output_tokens} "
-                f"tokens in KV, {r.num_output_tokens}/{r.max_tokens} out]")
+        mark = " (preempted)" if r.status == "preempted" else ""
+        return (f"{rid}{mark} [{r.num_computed_tokens}/"
+                f"{r.num_prompt_tokens + r.num_output_tokens} tokens in KV, "
+                f"{r.num_output_tokens}/{r.max_tokens} out]")
 
     running = ", ".join(describe(r) for r in snap.running) or "-"
     waiting = ", ".join(describe(r) for r in snap.waiting) or "-"

@@ -65,10 +65,12 @@ class AltBlockPool:
             self.refs[b] += 1
 
     def free_blocks(self, block_ids):
+        freed = []
         for b in block_ids:
             self.refs[b] -= 1
             if not self.refs[b]:
-                self.queue.append(b)
+                freed.append(b)
+        self.queue.extendleft(reversed(freed))  # the first freed ends up at the head
 
 
 def alt_allocate_slots(block_table, num_tokens, block_size, pool):
@@ -267,12 +269,20 @@ def test_another_correct_implementation_passes_on_the_real_model(name):
 
 
 # ---- wrong code fails, with the case named and a hint ----------------------------------------
-class FreedToTheHead(AltBlockPool):
+class FreedToTheTail(AltBlockPool):
     def free_blocks(self, block_ids):
         for b in block_ids:
             self.refs[b] -= 1
             if not self.refs[b]:
-                self.queue.appendleft(b)  # head instead of tail: most recently freed first
+                self.queue.append(b)  # the order before vLLM 0.33.0: every freed block last
+
+
+class FreedToTheHeadReversed(AltBlockPool):
+    def free_blocks(self, block_ids):
+        for b in block_ids:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.queue.appendleft(b)  # the head, but the last given ends up first
 
 
 class TouchKeepsFreeBlocksQueued(AltBlockPool):
@@ -387,7 +397,8 @@ def attention_whole_blocks(q, kv_layer, block_table, seq_len, scale):
 
 
 BUGS = [
-    ("block_pool", FreedToTheHead, "freed blocks join the tail"),
+    ("block_pool", FreedToTheTail, "freed blocks go back to the head"),
+    ("block_pool", FreedToTheHeadReversed, "freed blocks go back to the head"),
     ("block_pool", TouchKeepsFreeBlocksQueued, "touching a free block"),
     ("allocate_slots", off_by_one_allocate, "exactly two blocks' worth"),
     ("allocate_slots", strict_free_check_allocate, "exactly as many free blocks"),

@@ -81,13 +81,35 @@ def test_steps_taken_outside_the_explorer_are_not_pinned_on_the_next_one(text_id
     llm.llm_engine.step()  # admits both, outside the explorer
     llm.llm_engine.step()
     snap = ex.step()
-    # Diffing against the snapshot before those steps would call both requests admitted now.
-    assert kinds(snap) == [("unseen_steps", None)]
-    assert "steps 1-2 ran outside the explorer" in snap.events[0].detail
+    # Admissions come from each step's own SchedulerOutput, so none is pinned on this one.
+    assert snap.events == []
     assert_matches_engine(snap, llm)
-    snap = ex.step()  # back in step with the engine: no note
-    assert not any(e.kind == "unseen_steps" for e in snap.events)
     ex.run_to_end()
+
+
+def test_evictions_come_from_kv_cache_events_even_in_steps_taken_elsewhere(text_ids):
+    """The block pool's BlockRemoved events (vllm/distributed/kv_events.py) name each evicted
+    block, stamped with the step it happened in, whoever stepped the engine."""
+    llm = LLM(block_size=4, kv_cache_tokens=16, max_model_len=16, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    ex = EngineExplorer(llm, max_tokens=2)
+    ex.add_request(text_ids[:9])  # two full keyed blocks + one partial
+    ex.run_to_end()
+    assert ex.snap.count(CACHED) == 2
+    ex.add_request(text_ids[40:53])  # 13 + 2 tokens need 4 blocks: both cached ones go
+    engine.step()  # outside the explorer
+    step = engine.num_steps
+    snap = ex.step()
+    evicted = [e for e in snap.events if e.kind == "evicted"]
+    assert len(evicted) == 2 and {e.step for e in evicted} == {step}
+    assert [k for _, k in [(s, type(e).__name__) for s, e in engine.kv_events]].count(
+        "BlockRemoved") == 2
+    assert ex.snap.count(CACHED) == 0
+    ex.run_to_end()
+    assert llm.reset_prefix_cache()
+    snap = ex.step()  # nothing to run; the reset is reported
+    assert any(e.kind == "cache_cleared" for e in snap.events)
+    assert_no_blocks_held(llm)
 
 
 def test_a_small_pool_preempts_the_newest_and_the_snapshot_says_so(text_ids):

@@ -112,11 +112,58 @@ def test_serve_flags_map_onto_llm_knobs():
     assert config.enable_prefix_caching and not config.enable_chunked_prefill
     assert config.prefix_caching_hash_algo == "sha512"
     assert (config.backend, config.enforce_eager) == ("auto", None)  # vLLM's defaults' meaning
+    assert config.scheduler_reserve_full_isl and config.watermark == 0.0  # vLLM's defaults
+    args = parser().parse_args("serve --no-scheduler-reserve-full-isl --watermark 0.25".split())
+    config = LLM(**engine_kwargs(args)).llm_engine.config
+    assert not config.scheduler_reserve_full_isl and config.watermark == 0.25
     args = parser().parse_args("serve --attention-backend flex --no-enforce-eager".split())
     config = LLM(**engine_kwargs(args)).llm_engine.config
     assert (config.backend, config.enforce_eager) == ("flex", False)
     with pytest.raises(SystemExit):  # argparse names the choices and exits 2
         parser().parse_args("serve --attention-backend FLASH_ATTN".split())
+
+
+def test_reset_prefix_cache_route_in_dev_mode_only(text_ids):
+    """vLLM's POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py): only
+    with its dev routes on; answers {"success": bool}, false while blocks are held."""
+    import urllib.error
+    import urllib.request
+
+    def post(url):
+        req = urllib.request.Request(url, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    llm = LLM(max_model_len=64, kv_cache_tokens=512, enable_prefix_caching=True)
+    plain = BackgroundServer(llm)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(plain.url + "/reset_prefix_cache")
+        assert e.value.code in (404, 405)
+    finally:
+        plain.stop()
+    llm.generate({"prompt_token_ids": text_ids[:40]}, SamplingParams(max_tokens=1))
+    assert llm.llm_engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+    engine = llm.llm_engine
+    dev = BackgroundServer(llm, dev_mode=True)
+    try:
+        # Hold the server's worker idle, so "held" keeps its blocks while the routes run.
+        engine.has_unfinished_requests = lambda: False
+        with dev.engine.lock:
+            engine.add_request("held", {"prompt_token_ids": text_ids[:20]},
+                               SamplingParams(max_tokens=4))
+            engine.step()
+        assert post(dev.url + "/reset_prefix_cache") == {"success": False}
+        assert engine.kv_cache_manager.block_pool.cached_block_hash_to_block  # untouched
+        assert post(dev.url + "/reset_prefix_cache?reset_running_requests=true") == {
+            "success": True}
+        assert not engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+        assert engine.parents["held"][0].status.value == "preempted"
+        del engine.has_unfinished_requests  # the worker runs "held" again, from scratch
+        wait_idle(llm)
+        assert "held" not in engine.parents
+    finally:
+        dev.stop()
 
 
 def test_prompt_tokens_details_only_when_enabled():

@@ -329,7 +329,7 @@ def test_serve_flags_build_the_key_map(tmp_path):
                                 str(keys_file), "--salt-secret-file", str(secret_file)])
     assert server_kwargs(args, environ={}) == {
         "enable_prompt_tokens_details": False, "api_keys": KEYS,
-        "salt_secret": SECRET.hex().encode()}  # the file's text, its newline stripped
+        "salt_secret": SECRET.hex().encode(), "dev_mode": False}  # the file's text, its newline stripped
     assert engine_kwargs(args)["enable_prefix_caching"]  # the engine's flags are untouched
 
     # The environment, in the compact form; the flag wins over it (as --api-key over
@@ -338,12 +338,14 @@ def test_serve_flags_build_the_key_map(tmp_path):
     plain = parser().parse_args(["serve"])
     assert server_kwargs(plain, environ=env) == {
         "enable_prompt_tokens_details": False, "api_keys": {KEY_B: "tenant-b"},
-        "salt_secret": b"s" * 40}
+        "salt_secret": b"s" * 40, "dev_mode": False}
     flagged = parser().parse_args(["serve", "--api-keys-file", str(keys_file)])
     assert server_kwargs(flagged, environ=env)["api_keys"] == KEYS
     assert server_kwargs(plain, environ={"KVLAB_API_KEYS": " "})["api_keys"] is None
     assert server_kwargs(plain, environ={}) == {
-        "enable_prompt_tokens_details": False, "api_keys": None, "salt_secret": None}
+        "enable_prompt_tokens_details": False, "api_keys": None, "salt_secret": None,
+        "dev_mode": False}
+    assert server_kwargs(plain, environ={"VLLM_SERVER_DEV_MODE": "1"})["dev_mode"]
 
     for env, words in (({"KVLAB_SALT_SECRET": "s" * 40}, "only used with API keys"),
                        ({"KVLAB_API_KEYS": f"{KEY_A1}=a", "KVLAB_SALT_SECRET": "short"},

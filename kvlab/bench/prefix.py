@@ -26,7 +26,9 @@ def ttft(llm: LLM, prompt: dict) -> tuple[float, int]:
 def cold_warm_ttft(prefix_len: int = 2048, tail_len: int = 32, num_prefixes: int = 3,
                    warm_per_prefix: int = 3, enable_prefix_caching: bool = True,
                    seed: int = 0, model: str | None = None) -> dict:
-    """Per prefix: the first request (cold) and `warm_per_prefix` more with other tails.
+    """Per prefix: the first request (cold) and `warm_per_prefix` more with other tails, then
+    the first prompt once more after `reset_prefix_cache()` (vLLM's way to get a cold cache
+    without a new engine): cold again, on the very same tokens.
 
     A warm-up request with an unrelated prompt goes first and is excluded. Tails are distinct,
     so the warm requests measure the shared prefix, not a repeated prompt.
@@ -36,14 +38,21 @@ def cold_warm_ttft(prefix_len: int = 2048, tail_len: int = 32, num_prefixes: int
               max_num_batched_tokens=prefix_len + tail_len + 16,
               enable_prefix_caching=enable_prefix_caching)
     ttft(llm, {"prompt_token_ids": random_prompt(rng, prefix_len + tail_len)})  # warm-up
-    cold, warm, cached = [], [], []
+    cold, warm, cached, cached_after_reset = [], [], [], []
     for _ in range(num_prefixes):
         prefix = random_prompt(rng, prefix_len)
+        first = {"prompt_token_ids": prefix + random_prompt(rng, tail_len)}
         for i in range(1 + warm_per_prefix):
-            t, n = ttft(llm, {"prompt_token_ids": prefix + random_prompt(rng, tail_len)})
+            t, n = ttft(llm, first if i == 0 else
+                        {"prompt_token_ids": prefix + random_prompt(rng, tail_len)})
             (cold if i == 0 else warm).append(t)
             if i:
                 cached.append(n)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache refused: a request still holds blocks")
+        t, n = ttft(llm, first)
+        cold.append(t)
+        cached_after_reset.append(n)
     return {
         "enable_prefix_caching": enable_prefix_caching,
         "prefix_len": prefix_len, "tail_len": tail_len,
@@ -52,6 +61,7 @@ def cold_warm_ttft(prefix_len: int = 2048, tail_len: int = 32, num_prefixes: int
         "warm_ttft_ms_range": [round(1000 * min(warm), 1), round(1000 * max(warm), 1)],
         "speedup": round(statistics.median(cold) / statistics.median(warm), 2),
         "warm_cached_tokens": sorted(set(cached)),
+        "cached_tokens_after_reset": sorted(set(cached_after_reset)),  # [0]: cold indeed
     }
 
 

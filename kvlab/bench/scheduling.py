@@ -304,3 +304,40 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     ss_res = float(((y - (a + b * x)) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     return a, b, 1 - ss_res / ss_tot if ss_tot else 1.0
+
+
+def full_prompt_admission(num_requests: int = 12, input_len: int = 200, output_len: int = 16,
+                          kv_cache_tokens: int = 1024, budget: int = 64, block_size: int = 16,
+                          model: str | None = None, progress: bool = False) -> dict:
+    """vLLM's `scheduler_reserve_full_isl` on and off (vllm/config/scheduler.py; on by default
+    in 0.33.0): one burst of long prompts, chunked by a small token budget, into a KV pool that
+    holds only a few of them. Off, a waiting request is admitted as soon as its first chunk fits,
+    so more prompts start than the pool can finish and running ones are preempted and
+    recomputed; on, a prompt starts only when all of it fits. Returns, per setting, the
+    preemptions, the tokens computed again (scheduled tokens beyond each request's prompt plus
+    output less one), throughput, TTFT, and whether the tokens equal the other setting's."""
+    tok = load_model(model).tokenizer
+    prompts = [{"prompt_token_ids": p}
+               for p in make_prompts(tok, num_requests, input_len, input_len)]
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    needed = num_requests * (input_len + output_len - 1)  # the last token is never fed back
+    rows, tokens = [], {}
+    for full in tqdm((True, False), desc="full-prompt admission", disable=not progress):
+        llm = LLM(model, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
+                  max_model_len=input_len + output_len + block_size,
+                  max_num_batched_tokens=budget, scheduler_reserve_full_isl=full)
+        result = run_batch(llm, prompts, sp)
+        computed = sum(s.num_prefill_tokens + s.num_decode_tokens for s in result.steps)
+        tokens[full] = [o.outputs[0].token_ids for o in result.outputs]
+        rows.append({
+            "scheduler_reserve_full_isl": full,
+            "preemptions": result.num_preemptions,
+            "recomputed_tokens": computed - needed,
+            "steps": len(result.steps),
+            "tok_s": round(result.tokens_per_s, 1),
+            "ttft_median_ms": round(1000 * statistics.median(result.ttfts), 1),
+            "peak_running": max(s.num_running for s in result.steps),
+        })
+    return {"rows": rows, "same_tokens": tokens[True] == tokens[False],
+            "kv_tokens": kv_cache_tokens, "budget": budget, "input_len": input_len,
+            "output_len": output_len, "num_requests": num_requests}

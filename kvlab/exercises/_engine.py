@@ -62,17 +62,19 @@ def new_engine(**llm_kwargs):
 def make_manager(cls, config, **attrs):
     """A KV cache manager of class `cls` with an engine config's sizes."""
     manager = cls(config.num_blocks, config.block_size, config.max_model_len,
-                  config.enable_prefix_caching, config.prefix_caching_hash_algo)
+                  config.enable_prefix_caching, config.prefix_caching_hash_algo,
+                  enable_kv_cache_events=True)
     for key, value in attrs.items():
         setattr(manager, key, value)
     return manager
 
 
 def install_manager(engine, manager) -> None:
-    """Swap a fresh engine's KV cache manager (before any request is added)."""
+    """Swap a fresh engine's KV cache manager (before any request is added). The model runner
+    reads block tables from each step's SchedulerOutput, so only the engine and the scheduler
+    hold the manager."""
     engine.kv_cache_manager = manager
     engine.scheduler.kv_cache_manager = manager
-    engine.model_runner.kv_cache_manager = manager
 
 
 def install_scheduler(engine, cls, **attrs) -> None:
@@ -119,7 +121,12 @@ def run(engine, batches, max_steps: int = 400) -> Run:
                 raise Mismatch("every request to finish",
                                f"after {max_steps} steps {short(left)} never finished: "
                                "the engine stopped making progress")
-            for out in engine.step():
+            try:
+                outs = engine.step()
+            except AssertionError as e:  # debug_checks: the pool's check after every step
+                raise Mismatch(f"the KV cache's bookkeeping to hold after every step",
+                               f"after step {engine.num_steps} it does not: {e}") from None
+            for out in outs:
                 if out.finished:
                     result.tokens[out.request_id] = [list(c.token_ids) for c in out.outputs]
                     result.cached[out.request_id] = out.num_cached_tokens
@@ -151,7 +158,9 @@ def run_with(engine_kwargs: dict, batches, install):
     """The same workload in a fresh engine with the participant's piece installed by
     `install(engine)`; returns (engine, run) for the comparisons and the bookkeeping check."""
     with one_thread():
-        engine = new_engine(**engine_kwargs)
+        # debug_checks: the pool's full check after every step, so a broken piece is caught
+        # at the step that broke it, not at the end of the run.
+        engine = new_engine(**engine_kwargs, debug_checks=True)
         install(engine)
         return engine, run(engine, batches())
 

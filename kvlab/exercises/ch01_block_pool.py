@@ -1,9 +1,10 @@
 """Chapter 01 exercises: the block pool, and paged allocation on top of it.
 
 `block_pool` teaches the pool's three rules: blocks come from the head of a free queue and freed
-ones join its tail (so the least recently freed block is reused first: the order prefix caching
-evicts by in chapter 05); every block counts the block tables that hold it (reference counts,
-which let chapter 02 share blocks); and a request gets all the blocks it asks for or none.
+ones go back to its head, in the order given (vLLM 0.33.0's `BlockPool.free_blocks`: a block
+that holds no cached prefix is reused first; chapter 05 adds the blocks that do, which go to the
+tail); every block counts the block tables that hold it (reference counts, which let chapter 02
+share blocks); and a request gets all the blocks it asks for or none.
 
 `allocate_slots` teaches paged allocation: a request takes blocks only as its tokens reach them,
 so it holds at most one partly filled block, and a request that cannot get what it needs takes
@@ -30,8 +31,8 @@ class TinyBlockPool:
     """Block ids 0 .. num_blocks - 1, their reference counts, and a free queue."""
 
     def __init__(self, num_blocks):
-        # Every block starts free, held by nobody. The free queue keeps block ids in the order
-        # they were freed: the head is the least recently freed, the next to be reused.
+        # Every block starts free, held by nobody. The free queue's head is the next block to
+        # be reused.
         self.ref_cnt = [0] * num_blocks
         self.free_queue = OrderedDict((block_id, None) for block_id in range(num_blocks))
 
@@ -45,7 +46,7 @@ class TinyBlockPool:
             raise ValueError(f"cannot get {num_blocks} blocks: {len(self.free_queue)} are free")
         block_ids = []
         for _ in range(num_blocks):
-            # From the head: the least recently freed block is the one to overwrite (LRU).
+            # From the head: the most recently freed block (or, at the start, the lowest id).
             block_id, _ = self.free_queue.popitem(last=False)
             self.ref_cnt[block_id] = 1  # one block table holds it now
             block_ids.append(block_id)
@@ -60,11 +61,17 @@ class TinyBlockPool:
             self.ref_cnt[block_id] += 1
 
     def free_blocks(self, block_ids):
-        # Drop one reference each; a block that nobody holds any more joins the queue's tail.
+        # Drop one reference each; the blocks that nobody holds any more go back to the head of
+        # the queue, in the order given (the first given is reused first), as vLLM 0.33.0 does
+        # with blocks that hold no cached prefix: nothing can hit them, so reuse them first.
+        freed = []
         for block_id in block_ids:
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
-                self.free_queue[block_id] = None
+                freed.append(block_id)
+        for block_id in reversed(freed):
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
 
 
 POOL_STUB = '''from collections import OrderedDict
@@ -75,11 +82,12 @@ class TinyBlockPool:
 
     get_new_blocks(n): n block ids from the head of the free queue, each now held once; if fewer
         than n are free, raise ValueError and take nothing.
-    free_blocks(block_ids): drop one reference each; a block held by nobody joins the tail.
+    free_blocks(block_ids): drop one reference each; the blocks now held by nobody go back to
+        the HEAD of the queue, in the order given (the first given is reused first).
     touch(block_ids): one more reference each; a free block leaves the queue.
     get_num_free_blocks(): how many blocks are free.
     Example: pool = TinyBlockPool(4); pool.get_new_blocks(3) -> [0, 1, 2];
-    pool.free_blocks([2, 0]); pool.get_new_blocks(3) -> [3, 2, 0]
+    pool.free_blocks([2, 0]); pool.get_new_blocks(3) -> [2, 0, 3]
     """
 
     def __init__(self, num_blocks):
@@ -296,15 +304,17 @@ BLOCK_POOL = Exercise(
     title="The block pool",
     prompt=(
         "Write the block pool: block ids with a reference count each, and a free queue. New "
-        "blocks come from the head of the queue, and a block whose last reference is dropped "
-        "joins its tail. A request gets every block it asks for, or none. The check replays "
+        "blocks come from the head of the queue, and blocks whose last reference is dropped go "
+        "back to its head, in the order freed (vLLM 0.33.0: a block holding no cached prefix "
+        "is reused first). A request gets every block it asks for, or none. The check replays "
         "the same operations on your pool and on kvlab's, then runs a real engine on yours."
     ),
     stub=POOL_STUB,
     hint=(
         "An OrderedDict is a queue you can also delete from in the middle: popitem(last=False) "
-        "pops the head, `queue[block_id] = None` appends to the tail, `del queue[block_id]` "
-        "takes a block out. Keep a list of ref counts beside it; a block is in the queue exactly "
+        "pops the head, `queue[block_id] = None` then `queue.move_to_end(block_id, last=False)` "
+        "puts a block at the head (insert the freed blocks last one first, so the first freed "
+        "ends up at the very head), `del queue[block_id]` takes a block out. Keep a list of ref counts beside it; a block is in the queue exactly "
         "when its count is 0."
     ),
     solution=TinyBlockPool,
@@ -314,10 +324,14 @@ BLOCK_POOL = Exercise(
              _fixed(5, [("get", 2), ("get", 1), ("get", 0)]),
              "Initially the free queue is 0, 1, ..., num_blocks - 1; get_new_blocks pops its "
              "head."),
-        Case("freed blocks join the tail: the least recently freed is reused first",
+        Case("freed blocks go back to the head: the most recently freed is reused first",
              _fixed(4, [("get", 4), ("free", [2, 0]), ("free", [3]), ("get", 3)]),
-             "free_blocks appends to the tail, get_new_blocks pops the head: after freeing 2, 0, "
-             "then 3, the next three blocks are 2, 0, 3."),
+             "free_blocks puts the freed blocks at the head, get_new_blocks pops the head: after "
+             "freeing 2, 0, then 3, the next three blocks are 3, 2, 0."),
+        Case("freed blocks are reused before blocks never used",
+             _fixed(4, [("get", 3), ("free", [2, 0]), ("get", 3)]),
+             "After taking 0, 1, 2 the queue is [3]; freeing 2, 0 makes it [2, 0, 3] (the first "
+             "given first), so the next three blocks are 2, 0, 3."),
         Case("all or nothing: asking for more than is free raises ValueError and takes nothing",
              _fixed(3, [("get", 2), ("get", 2), ("get", 1)]),
              "Check the free count before popping anything, and raise ValueError if it is too "
@@ -426,7 +440,12 @@ class _ParticipantAllocateManager(KVCacheManager):
     impl = None
 
     def allocate_slots(self, request_id, num_tokens, num_computed_tokens=0,
-                       new_computed_blocks=(), request=None) -> bool:
+                       new_computed_blocks=(), request=None, *, full_sequence_must_fit=False,
+                       has_scheduled_reqs=True) -> bool:
+        # The admission gate (scheduler_reserve_full_isl) is kvlab's, not the exercise's.
+        if full_sequence_must_fit and request is not None and not self.fits(
+                request_id, min(request.num_tokens, self.max_model_len), new_computed_blocks):
+            return False
         pool = IdPool(self.block_pool)
         table = self.get_block_ids(request_id)
         before, free_before = list(table), pool.get_num_free_blocks()

@@ -216,7 +216,7 @@ class _ParticipantScheduler(Scheduler):
                                "blocks fit",
                                f"no free block for it ({kv.block_pool.get_num_free_blocks()} "
                                "free)")
-            if request.status == RequestStatus.WAITING:
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -228,10 +228,7 @@ class _ParticipantScheduler(Scheduler):
             raise Mismatch("a step within the budget and the seats",
                            f"{self.config.max_num_batched_tokens - budget} tokens, "
                            f"{len(self.running)} running")
-        out.cow_copies = kv.take_pending_copies()
-        out.total_num_scheduled_tokens = sum(n for _, n in out.scheduled)
-        out.num_decode_tokens = sum(1 for r, _ in out.scheduled
-                                    if r.num_computed_tokens >= r.num_prompt_tokens)
+        self.finish_output(out)
         return out
 
 
