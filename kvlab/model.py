@@ -89,8 +89,30 @@ def packaged_model_folder() -> Path:
     folder = cache_root() / f"{PACKAGED_MODEL}-{digest[:12]}"
     if (folder / "model.safetensors").is_file():
         return folder
-    _convert_gguf(gguf, folder)
+    # A room's first run starts several kernels at once: one converts, the others wait for it
+    # (a lock file beside the folder) and then find the folder complete.
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder.parent / f".{folder.name}.lock"):
+        if not (folder / "model.safetensors").is_file():
+            _convert_gguf(gguf, folder)
     return folder
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on `lock_path` (POSIX flock; where there is none, as on Windows,
+    no lock: `_convert_gguf` still never replaces a complete folder another process made)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
@@ -120,9 +142,12 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             state.pop("lm_head.weight", None)  # the same tensor as the embedding
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
                   metadata={"format": "pt"})
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        if (folder / "model.safetensors").is_file():
+            pass  # another process finished first: keep its folder, drop ours (finally, below)
+        else:
+            if folder.exists():  # an incomplete folder from an older kvlab: nobody can use it
+                shutil.rmtree(folder)
+            tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     steps.update()

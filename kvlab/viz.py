@@ -511,7 +511,7 @@ def plot_prefix_hits(cached_tokens: list[int], prompt_lens, ax=None):
 
 def free_queue_snapshot(block_pool, label: str, names: dict | None = None) -> dict:
     """A reading of a `BlockPool` for `draw_free_queue`: the free queue's block ids, head (the
-    next to be evicted) first; the blocks in use; and, for every block still holding a prefix
+    next to be reused: a block without a key first, else the cached block to evict) first; the blocks in use; and, for every block still holding a prefix
     key, a short name (`names` maps a key to it, e.g. {key: "a0"}; others read "key")."""
     names = names or {}
     return {"label": label,
@@ -549,7 +549,7 @@ def draw_free_queue(snapshots: list[dict], ax=None):
                     ha="center", va="center", fontsize=7)
         ax.text(-0.3, y + 0.5, snap["label"], ha="right", va="center", fontsize=8)
     top = len(snapshots)
-    ax.annotate("head: evicted first", xy=(0.2, top + 0.05), xytext=(0.2, top + 0.45),
+    ax.annotate("head: reused first", xy=(0.2, top + 0.05), xytext=(0.2, top + 0.45),
                 fontsize=7, arrowprops={"arrowstyle": "->", "lw": 0.8})
     ax.text(width - 0.1, top + 0.25, "tail", ha="right", fontsize=7)
     ax.text(width + gap, top + 0.25, "in use", fontsize=7)

@@ -88,3 +88,34 @@ def test_gpu_check_parts_fail_alone(tmp_path, monkeypatch):
     assert "no kernel image" in parts["tokens_float32"]["error"]
     assert parts["machine"]["device"] == "cpu" and parts["speed"] == {"auto": {}}
     assert parts["flex_vs_reference_max_logit_diff"] == 0.0 and "wall_s" in seen
+
+
+def _make_print_python(tmp_path, names: list[str]) -> str:
+    """`make print-python` with a PATH holding only these names, each a link to this Python
+    (3.11 or newer here), so the Makefile's choice can be seen without installing Pythons."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in names:
+        (bin_dir / name).symlink_to(sys.executable)
+    for tool in ("echo", "id"):  # what the Makefile itself runs besides Python
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    make = shutil.which("make")
+    out = subprocess.run([make, "-s", "-C", str(ROOT), "print-python"], capture_output=True,
+                         text=True, env={"PATH": str(bin_dir), "HOME": os.environ.get("HOME", "")},
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_make_finds_any_python_from_3_10(tmp_path):
+    """`make lab` used to look for python3.11 only, so on Ubuntu 24.04 (3.12) or Debian 13 and
+    Homebrew (3.13) its first line failed."""
+    assert _make_print_python(tmp_path / "a", ["python3.13"]) == "python3.13"
+    assert _make_print_python(tmp_path / "b", ["python3.12", "python3.13"]) == "python3.12"
+    assert _make_print_python(tmp_path / "c", ["python3"]) == "python3"
+    assert _make_print_python(tmp_path / "d", []) == ""  # none: `make lab` then says so
