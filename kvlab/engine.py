@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from kvlab import platforms
 from kvlab.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from kvlab.config import EngineConfig
 from kvlab.inputs import ParsedPrompt, parse_prompt
@@ -31,9 +32,10 @@ from kvlab.request import Request, RequestGroup
 from kvlab.sampling import RequestOutputKind, Sampler, SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerOutput
 
-# Default KV budget when kv_cache_tokens is not given (vLLM sizes it from free GPU memory).
-DEFAULT_CPU_KV_BYTES = 512 * 2**20
-DEFAULT_GPU_KV_FRACTION = 0.5  # of the memory still free after the weights
+# Default KV budget when kv_cache_tokens is not given: kvlab/platforms.py (vLLM sizes it from
+# free GPU memory).
+DEFAULT_CPU_KV_BYTES = platforms.DEFAULT_CPU_KV_BYTES
+DEFAULT_GPU_KV_FRACTION = platforms.DEFAULT_GPU_KV_FRACTION
 
 
 class EngineStepError(RuntimeError):
@@ -90,10 +92,11 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None
 
     def _default_kv_tokens(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * DEFAULT_GPU_KV_FRACTION) // self.kv_bytes_per_token
-        return DEFAULT_CPU_KV_BYTES // self.kv_bytes_per_token
+        # The weights and, for the fast path, their fused copies: a constant of the model, so
+        # every engine of the process gets the same pool whichever backend came first.
+        weight_bytes = 2 * sum(p.numel() * p.element_size()
+                               for p in self.loaded.hf_model.parameters())
+        return platforms.default_kv_tokens(self.device, self.kv_bytes_per_token, weight_bytes)
 
     # ---- requests in ----------------------------------------------------------------------
     def validate_request(self, request_id, prompt, params):
