@@ -86,27 +86,44 @@ def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int):
 def attend_one(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
                seq_len: int, scale: float) -> torch.Tensor:
     """One sequence's new tokens q: (num_new, Hq, D) -> (num_new, Hq, D), over its whole
-    context (the new tokens' own K/V are already in the pool)."""
-    num_new = q.shape[0]
+    context (the new tokens' own K/V are already in the pool).
+
+    Grouped-query attention without `enable_gqa`: on a GPU no fused SDPA kernel takes
+    `enable_gqa` beside a mask (flash takes no mask, the memory-efficient kernel no GQA), and
+    before compute capability 8.0 (no flash) none takes it at all, so SDPA would fall back to
+    its math kernel for every prompt. A whole prompt repeats each KV head for its query heads
+    (one copy of this sequence's K/V, then causal attention: flash or memory-efficient); a chunk
+    folds the query heads that share a KV head into that head's rows, as the decode path does,
+    with a float mask (memory-efficient or cuDNN).
+    """
+    num_new, num_heads, head_dim = q.shape
     k, v = gather_kv(kv_layer, block_table, seq_len)  # (Hkv, L, D)
-    qi = q.transpose(0, 1)  # (Hq, num_new, D)
+    group = num_heads // k.shape[0]
     # A leading batch dimension of 1: without it SDPA on CPU takes a slow path (5x here).
-    qi, k, v = qi[None], k[None], v[None]
     if num_new == 1:
         # A decode token is the newest position: it may see the whole context, no mask.
-        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=True)
-    elif num_new == seq_len:
-        # A whole prompt at once: plain causal attention.
-        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, is_causal=True,
-                                           enable_gqa=True)
-    else:
-        # New tokens after a cached or already-computed part (a prefill chunk): new token j
-        # sits at position seq_len - num_new + j and sees keys up to and including itself.
-        q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-    return o[0].transpose(0, 1)
+        qi = q.view(k.shape[0], group, head_dim)  # (Hkv, group, D): query head h reads h // group
+        o = F.scaled_dot_product_attention(qi[None], k[None], v[None], scale=scale)
+        return o[0].reshape(1, num_heads, head_dim)
+    if num_new == seq_len:
+        # A whole prompt at once: plain causal attention, every query head its own K/V head.
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # (Hq, L, D)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                           scale=scale, is_causal=True)
+        return o[0].transpose(0, 1)
+    # New tokens after a cached or already-computed part (a prefill chunk): new token j sits at
+    # position seq_len - num_new + j and sees keys up to and including itself. Rows are
+    # (query head in its group, token): the mask repeats once per head of the group.
+    q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+    hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # (num_new, L)
+    mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        hidden, float("-inf")).repeat(group, 1)  # (group * num_new, L), in the queries' dtype
+    qi = q.view(num_new, k.shape[0], group, head_dim).permute(1, 2, 0, 3)  # (Hkv, group, T, D)
+    o = F.scaled_dot_product_attention(qi.reshape(1, k.shape[0], group * num_new, head_dim),
+                                       k[None], v[None], attn_mask=mask, scale=scale)
+    # (1, Hkv, group * T, D) -> (T, Hq, D)
+    return o.view(k.shape[0], group, num_new, head_dim).permute(2, 0, 1, 3).reshape(
+        num_new, num_heads, head_dim)
 
 
 def paged_attention_reference(
