@@ -69,6 +69,11 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
+        if config.backend == "flex":  # refused before the pool is allocated
+            from kvlab.flex_attention import check_eager_flex
+
+            check_eager_flex(config.num_blocks * config.block_size, self.model.num_heads,
+                             config.max_num_batched_tokens, self.device, config.enforce_eager)
         self.kv_cache_manager = make_kv_cache_manager(config)
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
