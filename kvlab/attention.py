@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata
+from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata, to_device
 
 # The batched decode path copies a group of sequences' blocks, then SDPA reads the copy. Groups
 # of at most this many bytes (K and V, one layer) keep the copy in the CPU's cache (32 MiB of L3
@@ -172,7 +172,7 @@ def device_block_tables(common: CommonAttentionMetadata, seqs: list[int]) -> lis
         return []
     tables = common.block_table_ids
     flat = torch.tensor([b for i in seqs for b in tables[i]], dtype=torch.long, device="cpu")
-    return list(flat.to(common.device).split([len(tables[i]) for i in seqs]))
+    return list(to_device(flat, common.device).split([len(tables[i]) for i in seqs]))
 
 
 class ReferenceBackend:
@@ -229,26 +229,35 @@ class SDPABackend(ReferenceBackend):
                              dtype=torch.long, device="cpu")  # (B, max_blocks)
         B, L = len(decodes), max_blocks * bs
         lens = torch.tensor([common.seq_lens[i] for i in decodes], device="cpu")
-        # Additive, in the queries' dtype (cast below): SDPA's fused CUDA kernels refuse a float32
-        # bias beside bf16 queries.
-        mask = torch.zeros((B, L), device="cpu")
-        mask.masked_fill_(torch.arange(L, device="cpu")[None, :] >= lens[:, None], float("-inf"))
         # Sequences per copy group: as many as fit DECODE_GROUP_BYTES (all, if unknown).
         # A CPU cache size: on a GPU one group holds every sequence.
         per_seq = L * (common.layer_kv_bytes_per_token or 0) if common.device.type == "cpu" else 0
         group = max(1, min(B, DECODE_GROUP_BYTES // per_seq)) if per_seq else B
-        groups = []
+        bounds, indices = [], []
         for first in range(0, B, group):
             blocks = table[first : first + group].flatten()
-            index = torch.cat((blocks, blocks + common.num_blocks))  # K rows, then V rows
-            groups.append((first, min(B, first + group), index.to(common.device)))
+            indices.append(torch.cat((blocks, blocks + common.num_blocks)))  # K rows, then V rows
+            bounds.append((first, min(B, first + group)))
+        parts = [*indices, lens]
+        rows = None
         if decodes == list(range(B)):  # decodes first, as the scheduler puts them: a view
             rows = slice(0, B)
         else:
-            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long,
-                                device=common.device)
+            parts.append(torch.tensor([starts[i] for i in decodes], dtype=torch.long,
+                                      device="cpu"))
+        # One host-to-device copy for the step's decode metadata.
+        moved = to_device(torch.cat(parts), common.device).split([len(p) for p in parts])
+        groups = [(first, end, index) for (first, end), index in zip(bounds, moved)]
+        lens = moved[len(indices)]
+        if rows is None:
+            rows = moved[-1]
+        # Additive, in the queries' dtype: SDPA's fused CUDA kernels refuse a float32 bias beside
+        # bf16 queries. Made where it is read (no copy of a (B, L) tensor).
+        past = torch.arange(L, device=common.device)[None, :] >= lens[:, None]  # (B, L)
+        mask = torch.zeros((B, L), dtype=common.dtype, device=common.device).masked_fill_(
+            past, float("-inf"))
         return DecodeMetadata(rows=rows, num_seqs=B, max_len=L, groups=groups,
-                              mask=mask[:, None, None, :].to(common.device, common.dtype))
+                              mask=mask[:, None, None, :])
 
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
         decode = meta.decode
