@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +90,7 @@ def token_check(device: str, dtype: str) -> dict:
     prompts = [system + p for p in make_prompts(tok, 8, 4, 160)]  # shared prefix, mixed tails
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     hf = [transformers_generate(loaded.hf_model, [p], 24, pad)[0] for p in prompts]
-    out = {"dtype": dtype, "prompts": len(prompts)}
+    out = {"dtype": dtype, "resolved_dtype": str(loaded.dtype)[6:], "prompts": len(prompts)}
     for backend in BACKENDS:
         # A budget of 64 tokens chunks every prompt; 640 KV tokens force preemption; the second
         # pass hits the cached shared prefix.
@@ -216,12 +215,12 @@ class PartTimeout(Exception):
     pass
 
 
-@dataclass
 class Part:
-    name: str
-    run: object  # () -> result
-    limit_s: float
-    passed: object = None  # result -> bool; None: passes when it runs without an error
+    """One part of the check: `run()` gives its result; `passed(result)` (None: it passes when
+    it runs without an error) decides pass or fail; `limit_s`: its time limit."""
+
+    def __init__(self, name: str, run, limit_s: float, passed=None) -> None:
+        self.name, self.run, self.limit_s, self.passed = name, run, limit_s, passed
 
 
 @contextlib.contextmanager
@@ -271,8 +270,11 @@ def run_part(part: Part, out_dir: Path, report: dict, save) -> dict:
     except Exception as e:  # noqa: BLE001 (recorded, not hidden: the exit status is 1)
         entry = {"status": "fail", "error": f"{type(e).__name__}: {e}"[:2000],
                  "traceback": traceback.format_exc(limit=12)[-6000:]}
-        if isinstance(e, PartTimeout):
-            entry["stacks"] = dump_path.read_text()[-8000:]
+        # Past the limit (the alarm may arrive wrapped, e.g. in an EngineStepError): the stacks
+        # faulthandler wrote of every thread.
+        stacks = dump_path.read_text() if dump_path.exists() else ""
+        if stacks:
+            entry["stacks"] = stacks[-8000:]
     entry["seconds"] = round(time.perf_counter() - t0, 1)
     if dump_path.exists() and entry["status"] != "fail":
         dump_path.unlink()

@@ -84,8 +84,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks of K/V, every layer: the physical half of copy-on-write and fork."""
         if copies:
-            src, dst = to_device(torch.tensor(copies, dtype=torch.long, device="cpu").T,
-                                 self.device)
+            src, dst = to_device(torch.tensor(copies, dtype=torch.long, device="cpu").T
+                                 .contiguous(), self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -104,7 +104,7 @@ class ModelRunner:
                 rows.append(end - 1)  # the sequence's last new token
                 samplers.append(request)
         # A pure decode step samples every row: no index to copy.
-        last = None if rows == list(range(end)) else to_device(
+        last = None if not rows or rows == list(range(end)) else to_device(
             torch.tensor(rows, dtype=torch.long, device="cpu"), self.device)
         # What the model itself costs; the rest of a step is the engine's overhead (chapter 03).
         timer = ForwardTimer(self.device)

@@ -290,3 +290,38 @@ def test_a_decode_step_makes_no_sync_and_two_copies(backend, text_ids, monkeypat
     # No value read from the device outside the sampler; one copy of the step's tokens,
     # positions and slots, one of the backend's metadata.
     assert counted == [([], ["to", "to"])] * 3, counted
+
+
+def test_the_forward_is_timed_by_events_not_a_device_wide_sync(monkeypatch):
+    """On CUDA the runner times the forward with two events and reads them once the sampler's
+    transfer has waited for the device: never torch.cuda.synchronize(), one more stall."""
+    from kvlab.model_runner import ForwardTimer
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.name = f"event{sum(c == 'new' for c in calls)}"
+            calls.append("new")
+
+        def record(self):
+            calls.append(f"record {self.name}")
+
+        def synchronize(self):
+            calls.append(f"synchronize {self.name}")
+
+        def elapsed_time(self, end):
+            calls.append(f"elapsed {self.name}->{end.name}")
+            return 12.5  # ms
+
+    def no_sync():
+        raise AssertionError("torch.cuda.synchronize() called")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    timer = ForwardTimer(CUDA)
+    timer.stop()
+    assert timer.seconds() == 0.0125
+    assert calls == ["new", "new", "record event0", "record event1", "synchronize event1",
+                     "elapsed event0->event1"]
