@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata
+from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata, to_device
 
 # The batched decode path copies a group of sequences' blocks, then SDPA reads the copy. Groups
 # of at most this many bytes (K and V, one layer) keep the copy in the CPU's cache (32 MiB of L3
@@ -86,27 +86,44 @@ def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int):
 def attend_one(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
                seq_len: int, scale: float) -> torch.Tensor:
     """One sequence's new tokens q: (num_new, Hq, D) -> (num_new, Hq, D), over its whole
-    context (the new tokens' own K/V are already in the pool)."""
-    num_new = q.shape[0]
+    context (the new tokens' own K/V are already in the pool).
+
+    Grouped-query attention without `enable_gqa`: on a GPU no fused SDPA kernel takes
+    `enable_gqa` beside a mask (flash takes no mask, the memory-efficient kernel no GQA), and
+    before compute capability 8.0 (no flash) none takes it at all, so SDPA would fall back to
+    its math kernel for every prompt. A whole prompt repeats each KV head for its query heads
+    (one copy of this sequence's K/V, then causal attention: flash or memory-efficient); a chunk
+    folds the query heads that share a KV head into that head's rows, as the decode path does,
+    with a float mask (memory-efficient or cuDNN).
+    """
+    num_new, num_heads, head_dim = q.shape
     k, v = gather_kv(kv_layer, block_table, seq_len)  # (Hkv, L, D)
-    qi = q.transpose(0, 1)  # (Hq, num_new, D)
+    group = num_heads // k.shape[0]
     # A leading batch dimension of 1: without it SDPA on CPU takes a slow path (5x here).
-    qi, k, v = qi[None], k[None], v[None]
     if num_new == 1:
         # A decode token is the newest position: it may see the whole context, no mask.
-        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=True)
-    elif num_new == seq_len:
-        # A whole prompt at once: plain causal attention.
-        o = F.scaled_dot_product_attention(qi, k, v, scale=scale, is_causal=True,
-                                           enable_gqa=True)
-    else:
-        # New tokens after a cached or already-computed part (a prefill chunk): new token j
-        # sits at position seq_len - num_new + j and sees keys up to and including itself.
-        q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-    return o[0].transpose(0, 1)
+        qi = q.view(k.shape[0], group, head_dim)  # (Hkv, group, D): query head h reads h // group
+        o = F.scaled_dot_product_attention(qi[None], k[None], v[None], scale=scale)
+        return o[0].reshape(1, num_heads, head_dim)
+    if num_new == seq_len:
+        # A whole prompt at once: plain causal attention, every query head its own K/V head.
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # (Hq, L, D)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                           scale=scale, is_causal=True)
+        return o[0].transpose(0, 1)
+    # New tokens after a cached or already-computed part (a prefill chunk): new token j sits at
+    # position seq_len - num_new + j and sees keys up to and including itself. Rows are
+    # (query head in its group, token): the mask repeats once per head of the group.
+    q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+    hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # (num_new, L)
+    mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        hidden, float("-inf")).repeat(group, 1)  # (group * num_new, L), in the queries' dtype
+    qi = q.view(num_new, k.shape[0], group, head_dim).permute(1, 2, 0, 3)  # (Hkv, group, T, D)
+    o = F.scaled_dot_product_attention(qi.reshape(1, k.shape[0], group * num_new, head_dim),
+                                       k[None], v[None], attn_mask=mask, scale=scale)
+    # (1, Hkv, group * T, D) -> (T, Hq, D)
+    return o.view(k.shape[0], group, num_new, head_dim).permute(2, 0, 1, 3).reshape(
+        num_new, num_heads, head_dim)
 
 
 def paged_attention_reference(
@@ -155,7 +172,7 @@ def device_block_tables(common: CommonAttentionMetadata, seqs: list[int]) -> lis
         return []
     tables = common.block_table_ids
     flat = torch.tensor([b for i in seqs for b in tables[i]], dtype=torch.long, device="cpu")
-    return list(flat.to(common.device).split([len(tables[i]) for i in seqs]))
+    return list(to_device(flat, common.device).split([len(tables[i]) for i in seqs]))
 
 
 class ReferenceBackend:
@@ -212,26 +229,35 @@ class SDPABackend(ReferenceBackend):
                              dtype=torch.long, device="cpu")  # (B, max_blocks)
         B, L = len(decodes), max_blocks * bs
         lens = torch.tensor([common.seq_lens[i] for i in decodes], device="cpu")
-        # Additive, in the queries' dtype (cast below): SDPA's fused CUDA kernels refuse a float32
-        # bias beside bf16 queries.
-        mask = torch.zeros((B, L), device="cpu")
-        mask.masked_fill_(torch.arange(L, device="cpu")[None, :] >= lens[:, None], float("-inf"))
         # Sequences per copy group: as many as fit DECODE_GROUP_BYTES (all, if unknown).
         # A CPU cache size: on a GPU one group holds every sequence.
         per_seq = L * (common.layer_kv_bytes_per_token or 0) if common.device.type == "cpu" else 0
         group = max(1, min(B, DECODE_GROUP_BYTES // per_seq)) if per_seq else B
-        groups = []
+        bounds, indices = [], []
         for first in range(0, B, group):
             blocks = table[first : first + group].flatten()
-            index = torch.cat((blocks, blocks + common.num_blocks))  # K rows, then V rows
-            groups.append((first, min(B, first + group), index.to(common.device)))
+            indices.append(torch.cat((blocks, blocks + common.num_blocks)))  # K rows, then V rows
+            bounds.append((first, min(B, first + group)))
+        parts = [*indices, lens]
+        rows = None
         if decodes == list(range(B)):  # decodes first, as the scheduler puts them: a view
             rows = slice(0, B)
         else:
-            rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long,
-                                device=common.device)
+            parts.append(torch.tensor([starts[i] for i in decodes], dtype=torch.long,
+                                      device="cpu"))
+        # One host-to-device copy for the step's decode metadata.
+        moved = to_device(torch.cat(parts), common.device).split([len(p) for p in parts])
+        groups = [(first, end, index) for (first, end), index in zip(bounds, moved)]
+        lens = moved[len(indices)]
+        if rows is None:
+            rows = moved[-1]
+        # Additive, in the queries' dtype: SDPA's fused CUDA kernels refuse a float32 bias beside
+        # bf16 queries. Made where it is read (no copy of a (B, L) tensor).
+        past = torch.arange(L, device=common.device)[None, :] >= lens[:, None]  # (B, L)
+        mask = torch.zeros((B, L), dtype=common.dtype, device=common.device).masked_fill_(
+            past, float("-inf"))
         return DecodeMetadata(rows=rows, num_seqs=B, max_len=L, groups=groups,
-                              mask=mask[:, None, None, :].to(common.device, common.dtype))
+                              mask=mask[:, None, None, :])
 
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
         decode = meta.decode

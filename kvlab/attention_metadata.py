@@ -46,3 +46,18 @@ class AttentionMetadata:
     """The part every backend keeps: where to write this step's K/V. Backends subclass it."""
 
     slot_mapping: torch.Tensor  # (T,)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the host, on `device`, without making the host wait.
+
+    A copy from ordinary (pageable) memory to a GPU blocks the host until the driver has staged
+    it; from pinned memory it is queued like a kernel (`non_blocking`), and torch's caching host
+    allocator keeps the pinned block until the copy has run. On a CPU: the tensor itself.
+    Every host-to-device copy of a step goes through here (tests/test_gpu_paths.py counts them).
+    """
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

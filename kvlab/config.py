@@ -70,7 +70,8 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"  # vLLM --prefix-caching-hash-algo; hashlib names
     scheduling: str = "continuous"  # kvlab-only: "continuous" (Orca/vLLM) or "static" batching
     device: str = "auto"  # "auto": CUDA if present, else CPU
-    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # "auto": bfloat16 on GPUs from compute capability 8.0, float16 on
+    # older ones (the T4), float32 on CPU (kvlab/platforms.py, as vLLM resolves it)
     seed: int = 0  # seeds sampling of requests that bring no seed of their own
     # kvlab-only. "reference": the readable path (plain matmuls, attention one sequence at a
     # time). "auto": the same arithmetic, faster (fused q/k/v and gate/up matmuls, oneDNN-packed

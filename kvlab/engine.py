@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from kvlab import platforms
 from kvlab.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from kvlab.config import EngineConfig
 from kvlab.inputs import ParsedPrompt, parse_prompt
@@ -33,9 +34,10 @@ from kvlab.group_scheduler import GroupScheduler
 from kvlab.kv_events import KVCacheEvent
 from kvlab.scheduler import SchedulerOutput
 
-# Default KV budget when kv_cache_tokens is not given (vLLM sizes it from free GPU memory).
-DEFAULT_CPU_KV_BYTES = 512 * 2**20
-DEFAULT_GPU_KV_FRACTION = 0.5  # of the memory still free after the weights
+# Default KV budget when kv_cache_tokens is not given: kvlab/platforms.py (vLLM sizes it from
+# free GPU memory).
+DEFAULT_CPU_KV_BYTES = platforms.DEFAULT_CPU_KV_BYTES
+DEFAULT_GPU_KV_FRACTION = platforms.DEFAULT_GPU_KV_FRACTION
 
 
 class EngineStepError(RuntimeError):
@@ -69,6 +71,11 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) - {None}
 
+        if config.backend == "flex":  # refused before the pool is allocated
+            from kvlab.flex_attention import check_eager_flex
+
+            check_eager_flex(config.num_blocks * config.block_size, self.model.num_heads,
+                             config.max_num_batched_tokens, self.device, config.enforce_eager)
         # KV cache events are always recorded: the engine drains them every step into
         # `kv_events` (bounded), where the explorer reads them.
         self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
@@ -99,10 +106,11 @@ class LLMEngine:
         self.num_kv_events = 0  # ever logged: a reader remembers it to find what is new
 
     def _default_kv_tokens(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * DEFAULT_GPU_KV_FRACTION) // self.kv_bytes_per_token
-        return DEFAULT_CPU_KV_BYTES // self.kv_bytes_per_token
+        # The weights and, for the fast path, their fused copies: a constant of the model, so
+        # every engine of the process gets the same pool whichever backend came first.
+        weight_bytes = 2 * sum(p.numel() * p.element_size()
+                               for p in self.loaded.hf_model.parameters())
+        return platforms.default_kv_tokens(self.device, self.kv_bytes_per_token, weight_bytes)
 
     # ---- requests in ----------------------------------------------------------------------
     def validate_request(self, request_id, prompt, params):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata
+from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata, to_device
 
 # FlexAttention's sparse block sizes: the mask's tile list says, per tile of Q_TILE query rows,
 # which tiles of slots hold anything those rows may see. vLLM's flex backend
@@ -169,18 +169,25 @@ class FlexMaskBuilder:
         # Row r of sequence i holds position seq_len[i] - (end[i] - r).
         q_pos = (seq_lens_t - starts[1:])[seq_of_row] + torch.arange(num_tokens, device=cpu)
         table_starts = torch.cumsum(lens_t, 0) - lens_t
+        # Checked on the host, where the tables are: on a GPU a check of the device's copy
+        # would make the host wait for it every step.
+        if len(torch.unique(flat * (int(lens_t.max()) + 1) + logical)) != len(torch.unique(flat)):
+            raise RuntimeError("a KV block sits at two logical positions; the flex mask needs one")
+        # Everything the step's mask reads, in one host-to-device copy, then placed into the
+        # buffers on the device (copies there do not make the host wait).
+        q_tiles, width = kv_indices.shape
+        parts = (q_pos, table_starts[seq_of_row], flat, logical, kv_num_blocks.long(),
+                 kv_indices.long().flatten())
+        (q_pos, q_table, flat, logical, kv_num_blocks, kv_indices) = to_device(
+            torch.cat(parts), self.device).split([len(p) for p in parts])
         # Padding rows keep q_pos = -1 (they see nothing); rows past `rows` are never read.
         self.q_pos[num_tokens:rows].fill_(-1)
         self.q_pos[:num_tokens].copy_(q_pos)
-        self.q_table[:num_tokens].copy_(table_starts[seq_of_row])
+        self.q_table[:num_tokens].copy_(q_table)
         self.tables[: len(flat)].copy_(flat)
-        flat_dev, logical_dev = flat.to(self.device), logical.to(self.device)
-        self.block_logical[flat_dev] = logical_dev
-        if not torch.equal(self.block_logical[flat_dev], logical_dev):
-            raise RuntimeError("a KV block sits at two logical positions; the flex mask needs one")
-        q_tiles, width = kv_indices.shape
+        self.block_logical[flat] = logical
         self.kv_num_blocks[0, 0, :q_tiles].copy_(kv_num_blocks)
-        self.kv_indices[0, 0, :q_tiles, :width].copy_(kv_indices)
+        self.kv_indices[0, 0, :q_tiles, :width].copy_(kv_indices.view(q_tiles, width))
         return self._block_mask(rows)
 
     def _block_mask(self, rows: int):
@@ -264,6 +271,36 @@ def use_compiled(enforce_eager: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if enforce_eager is None else not enforce_eager
 
 
+# Eager FlexAttention (no compiled kernel) computes a score for every query row and every slot
+# of the pool, in float32, per layer: a (heads, rows, slots) tensor. On a CPU the pools are
+# small (512 MiB of KV by default); an H200's default pool holds millions of slots, and a
+# 2,048-row prefill over it would need hundreds of GB. Beyond this much, eager flex is refused
+# on CUDA at the engine's start.
+EAGER_FLEX_MAX_SCORE_BYTES = 2 * 2**30
+
+
+def check_eager_flex(num_slots: int, num_heads: int, max_num_batched_tokens: int,
+                     device: torch.device, enforce_eager: bool | None) -> None:
+    """Refuse eager flex on CUDA over a pool whose score tensor would not fit (see above)."""
+    if device.type != "cuda" or use_compiled(enforce_eager, device):
+        return
+    rows = max_num_batched_tokens
+    need = num_heads * rows * num_slots * 4
+    if need > EAGER_FLEX_MAX_SCORE_BYTES:
+        most = EAGER_FLEX_MAX_SCORE_BYTES // (num_heads * rows * 4)
+        raise ValueError(
+            f"backend='flex' with enforce_eager=True scores every query against every slot of "
+            f"the pool: {num_heads} heads x {rows} rows x {num_slots} slots in float32 is "
+            f"{need / 2**30:.1f} GiB per layer, over the {EAGER_FLEX_MAX_SCORE_BYTES // 2**30} "
+            f"GiB eager flex is allowed on CUDA. Let flex compile (enforce_eager=None or False), "
+            f"or use backend='auto', or lower kv_cache_tokens to {most} or less (or "
+            "max_num_batched_tokens)")
+
+
+class FlexCompileError(RuntimeError):
+    """torch.compile could not build FlexAttention's kernel for this device and dtype."""
+
+
 @dataclass
 class FlexMetadata(AttentionMetadata):
     block_mask: object  # FlexAttention's BlockMask over (query rows) x (every slot of the pool)
@@ -304,7 +341,35 @@ class FlexBackend:
                             padded=self.builder.pad)
 
     def forward(self, q, kv_layer, meta: FlexMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_flex(q, kv_layer, meta, scale, self.kernel, self.kernel_options)
+        if not meta.padded:  # eager: nothing to compile
+            return paged_attention_flex(q, kv_layer, meta, scale, self.kernel,
+                                        self.kernel_options)
+        try:
+            return paged_attention_flex(q, kv_layer, meta, scale, self.kernel,
+                                        self.kernel_options)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (re-raised with the way out; the cause chained)
+            # A step compiles the first time it meets a shape (the first step; the first with
+            # another padded length). On an older GPU the Triton kernel may not build: Turing's
+            # shared memory, bf16. Say so, and what runs instead, not inductor's page of trace.
+            raise FlexCompileError(
+                f"backend='flex' could not compile FlexAttention on {describe_device(q)} "
+                f"({str(q.dtype)[6:]}): {type(e).__name__}: {first_line(e)}. "
+                "Use backend='auto' (SDPA, nothing to compile), or enforce_eager=True with "
+                "a small kv_cache_tokens") from e
+
+
+def describe_device(t: torch.Tensor) -> str:
+    if t.device.type != "cuda":
+        return str(t.device)
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return f"{torch.cuda.get_device_name(t.device)} (compute capability {major}.{minor})"
+
+
+def first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0][:300] if lines else ""
 
 
 def paged_attention_flex(

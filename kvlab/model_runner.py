@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvlab.attention_metadata import CommonAttentionMetadata
+from kvlab.attention_metadata import CommonAttentionMetadata, to_device
 from kvlab.model import Transformer
 from kvlab.request import Request
 from kvlab.sampling import Sampler
@@ -63,8 +63,11 @@ class ModelRunner:
             block_ids_per_seq.append(block_ids[: -(-end // bs)])
 
         dev = self.device
+        # One host-to-device copy for the three (pinned, not blocking the host, on a GPU).
+        ids, pos, slots = to_device(torch.tensor([input_ids, positions, slot_mapping],
+                                                 dtype=torch.long, device="cpu"), dev)
         common = CommonAttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            slot_mapping=slots,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table_ids=block_ids_per_seq,
@@ -74,15 +77,13 @@ class ModelRunner:
             layer_kv_bytes_per_token=self.layer_kv_bytes_per_token,
             dtype=self.kv_cache.dtype,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, self.attn_backend.build(common)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks of K/V, every layer: the physical half of copy-on-write and fork."""
         if copies:
-            src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-            dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+            src, dst = to_device(torch.tensor(copies, dtype=torch.long, device="cpu").T
+                                 .contiguous(), self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -100,18 +101,19 @@ class ModelRunner:
             if request.num_computed_tokens + num_new == request.num_tokens:
                 rows.append(end - 1)  # the sequence's last new token
                 samplers.append(request)
-        t0 = time.perf_counter()
+        # A pure decode step samples every row: no index to copy.
+        last = None if not rows or rows == list(range(end)) else to_device(
+            torch.tensor(rows, dtype=torch.long, device="cpu"), self.device)
+        # What the model itself costs; the rest of a step is the engine's overhead (chapter 03).
+        timer = ForwardTimer(self.device)
         hidden = self.model.forward(ids, pos, self.kv_cache, meta)  # (T, hidden)
         logits = None
         if rows:
-            last = torch.tensor(rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[last])  # (B, V)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # so the time below is the GPU's work, not its launch
-        # What the model itself costs; the rest of a step is the engine's overhead (chapter 03).
-        self.last_forward_time = time.perf_counter() - t0
+            logits = self.model.compute_logits(hidden if last is None else hidden[last])  # (B, V)
+        timer.stop()
         output = ModelRunnerOutput()
         if logits is None:
+            self.last_forward_time = timer.seconds()
             return output
         # Samples forked this step draw from their parent's logits row (chapter 02).
         index, who = [], []
@@ -120,11 +122,40 @@ class ModelRunner:
                 index.append(k)
                 who.append(r)
         if len(who) > len(samplers):
-            logits = logits[torch.tensor(index, dtype=torch.long, device=self.device)]
+            logits = logits[to_device(torch.tensor(index, dtype=torch.long, device="cpu"),
+                                      self.device)]
         result = self.sampler(logits, [r.sampling_params for r in who],
                               [r.generator for r in who])
+        self.last_forward_time = timer.seconds()  # the sampler has waited for the device
         for r, token, lp in zip(who, result.token_ids, result.logprobs):
             output.sampled_token_ids[r.request_id] = token
             if lp is not None:
                 output.logprobs[r.request_id] = lp
         return output
+
+
+class ForwardTimer:
+    """The forward's time. On a GPU the host only queues kernels, so two CUDA events record
+    when the device began and finished; reading them after the sampler's one transfer (which
+    waits for the device anyway) costs no extra wait. A `torch.cuda.synchronize()` here would
+    stall the host before it could queue the sampler: one more sync every step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start, self.end = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.end = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.end - self.start
+        start, end = self.events
+        end.synchronize()  # done already after sampling; a step that samples nothing waits here
+        return start.elapsed_time(end) / 1e3

@@ -56,38 +56,54 @@ def test_notebooks_are_committed_executed_and_clean():
                 "NBVAL_IGNORE_OUTPUT" in "".join(c["source"]), f"{path.name}: widget output unchecked"
 
 
-def test_gpu_check_script_runs_its_checks_here(loaded, text_ids):
-    """benchmarks/gpu_check.py waits for a GPU; its pieces run on the CPU, so it cannot rot."""
+def load_gpu_check():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check",
                                                   ROOT / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    assert gpu_check.machine("cpu")["device"] == "cpu"
+    return gpu_check
+
+
+def test_gpu_check_script_runs_its_checks_here(loaded, text_ids):
+    """benchmarks/gpu_check.py waits for a GPU; its pieces run on the CPU, so it cannot rot."""
+    gpu_check = load_gpu_check()
+    assert gpu_check.machine("cpu", {"weights": "packaged"})["device"] == "cpu"
     assert gpu_check.flex_logit_diff(loaded, text_ids[:40]) < 1e-3
 
 
-def test_gpu_check_parts_fail_alone(tmp_path, monkeypatch):
-    """One broken part records its error; every other part still runs and is reported."""
-    import importlib.util
+def test_gpu_check_parts_fail_alone_and_report_pass_fail_skipped(tmp_path, monkeypatch):
+    """One broken part records its error, one that hangs fails at its limit with the stacks
+    of every thread, one that cannot run here is skipped with the reason; every other part
+    still runs, and the exit status is 1."""
+    import json
+    import time
 
-    spec = importlib.util.spec_from_file_location("gpu_check",
-                                                  ROOT / "benchmarks" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_gpu_check()
 
     def broken(*a, **k):
         raise RuntimeError("no kernel image for this GPU")
 
+    def hangs(*a, **k):
+        time.sleep(30)
+
+    monkeypatch.setattr(gpu_check, "choose_weights", lambda which: {"weights": "random"})
     monkeypatch.setattr(gpu_check, "token_check", broken)
     monkeypatch.setattr(gpu_check, "flex_logit_diff", lambda *a, **k: 0.0)
-    monkeypatch.setattr(gpu_check, "speed_check", lambda *a, **k: {"auto": {}})
-    seen = {}
-    parts = gpu_check.run_parts("cpu", True, tmp_path, lambda k, v: seen.__setitem__(k, v))
-    assert "no kernel image" in parts["tokens_float32"]["error"]
-    assert parts["machine"]["device"] == "cpu" and parts["speed"] == {"auto": {}}
-    assert parts["flex_vs_reference_max_logit_diff"] == 0.0 and "wall_s" in seen
+    monkeypatch.setattr(gpu_check, "speed_check", hangs)
+    rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick",
+                         "--limit-scale", "0.01"])  # speed: a 3 s limit
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 1
+    assert report["summary"] == {"machine": "pass", "tokens_float32": "fail",
+                                 "fused_sdpa": "skipped",
+                                 "flex_vs_reference_max_logit_diff": "pass",
+                                 "activation_range": "skipped", "speed": "fail",
+                                 "flex_compile": "pass"}
+    assert "no kernel image" in report["tokens_float32"]["error"]
+    assert "limit" in report["speed"]["error"] and "hangs" in report["speed"]["stacks"]
+    assert "random weights" in report["activation_range"]["reason"]
 
 
 def _make_print_python(tmp_path, names: list[str]) -> str:
