@@ -99,7 +99,8 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="also write the results to this file")
     p = sub.add_parser("client", help="stream requests to any OpenAI-compatible endpoint")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default="default", help="the model name the server expects")
+    p.add_argument("--model", default=None,
+                   help="the model name the server expects (default: the one /v1/models lists)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")

@@ -96,14 +96,25 @@ def pooled(results: list[StreamResult]):
             [r.completion_tokens for r in ok])
 
 
-async def run_benchmark(base_url: str, prompts: list, model: str = "default",
+async def served_model(base_url: str) -> str:
+    """The first model a server lists at /v1/models (vLLM answers 404 to any other name)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
+            resp.raise_for_status()
+            return (await resp.json())["data"][0]["id"]
+
+
+async def run_benchmark(base_url: str, prompts: list, model: str | None = None,
                         max_tokens: int = 32, concurrency: int = 8,
                         request_rate: float | None = None, seed: int = 0,
                         extra: dict | None = None) -> dict:
     """Send every prompt, at most `concurrency` in flight, arrivals Poisson at `request_rate` per
     second (None: all at once); summarise TTFT, ITL and throughput. A prompt is a string, token
-    ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"})."""
+    ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"}). `model`
+    None: the one the server lists."""
     rng = random.Random(seed)
+    if model is None:
+        model = await served_model(base_url)
     bodies = [{"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                **(extra or {}), **(p if isinstance(p, dict) else {"prompt": p})} for p in prompts]
     delays, t = [], 0.0
