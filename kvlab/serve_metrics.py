@@ -64,6 +64,23 @@ class _EngineState:
                     "Number of requests waiting to be processed.", s["num_waiting"])
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                     s["num_used_blocks"] / s["num_blocks"] if s["num_blocks"] else 0.0)
+        # vLLM's info gauge (log_metrics_info, "cache_config"): the config as labels, value 1.
+        cfg = self.llm.llm_engine.config
+        info = GaugeMetricFamily("vllm:cache_config_info",
+                                 "Information of the LLMEngine CacheConfig",
+                                 labels=[*names, "block_size", "enable_prefix_caching",
+                                         "num_gpu_blocks", "prefix_caching_hash_algo"])
+        info.add_metric([*values, str(cfg.block_size), str(cfg.enable_prefix_caching),
+                         str(cfg.num_blocks), str(cfg.prefix_caching_hash_algo)], 1)
+        yield info
+        # vLLM exposes no scheduler config; kvlab does, so a client can report the token budget
+        # it measured under (vLLM's --max-num-batched-tokens is known only to whoever started it).
+        sched = GaugeMetricFamily("kvlab:scheduler_config_info", "kvlab's scheduler knobs",
+                                  labels=[*names, "max_num_batched_tokens", "max_num_seqs",
+                                          "enable_chunked_prefill"])
+        sched.add_metric([*values, str(cfg.max_num_batched_tokens), str(cfg.max_num_seqs),
+                          str(cfg.enable_chunked_prefill)], 1)
+        yield sched
         # kvlab's own: vLLM counts re-admitted preempted requests apart (PrefixCacheStats) but
         # does not export them; finding their own blocks again would flatter the hit rate.
         yield counter("kvlab:prefix_cache_preempted_queries",

@@ -26,12 +26,29 @@ class StreamResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # What the server reported besides the text: usage.prompt_tokens, and whether usage had
+    # prompt_tokens_details at all (vLLM: only with --enable-prompt-tokens-details).
+    prompt_tokens: int | None = None
+    reports_cached_tokens: bool = False
+    # perf_counter stamps: sent, each piece of text received, done (the API experiments).
+    start: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> StreamResult:
-    res = StreamResult()
+async def stream_one(session: aiohttp.ClientSession, url: str, body: dict,
+                     res: StreamResult | None = None) -> StreamResult:
+    """Stream one request; `res`, when given, fills as the tokens arrive (a caller can watch)."""
+    res = StreamResult() if res is None else res
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = last = time.perf_counter()
+    t0 = last = res.start = time.perf_counter()
+    try:
+        return await _read_stream(session, url, body, res, t0, last)
+    finally:
+        res.end = time.perf_counter()
+
+
+async def _read_stream(session, url, body, res, t0, last) -> StreamResult:
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             res.error = f"{resp.status}: {await resp.text()}"
@@ -46,9 +63,12 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
                 continue  # [DONE] follows
             if chunk.get("usage"):
                 res.completion_tokens = chunk["usage"]["completion_tokens"]
+                res.prompt_tokens = chunk["usage"].get("prompt_tokens")
                 # Present only when the server reports it (vLLM: --enable-prompt-tokens-details).
-                details = chunk["usage"].get("prompt_tokens_details") or {}
-                res.cached_tokens = details.get("cached_tokens") or 0
+                details = chunk["usage"].get("prompt_tokens_details")
+                res.reports_cached_tokens = isinstance(details, dict) and (
+                    details.get("cached_tokens") is not None)
+                res.cached_tokens = (details or {}).get("cached_tokens") or 0
             for choice in chunk["choices"]:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if not piece:
@@ -59,6 +79,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
                 else:
                     res.itls.append(now - last)
                 last = now
+                res.token_times.append(now)
                 res.text += piece
     return res
 
