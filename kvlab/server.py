@@ -671,12 +671,11 @@ def build_app(llm: LLM, model_name: str | None = None,
             if stream:
                 return await stream_response(request, rid, chat, include_usage, body, params)
             return await full_response(rid, chat, body, params)
-        except (ConnectionResetError, asyncio.CancelledError) as e:
-            # The client hung up: a normal event, one line (its request is aborted below).
-            logger.info("client went away during %s (%s)", rid, type(e).__name__)
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return web.Response(status=499)  # never sent: nobody is listening
+        except asyncio.CancelledError:
+            # The client hung up (aiohttp cancels its handler): a normal event, one line; its
+            # request is aborted below, which returns its blocks.
+            logger.info("client went away during %s", rid)
+            raise
         finally:
             engine.release(rid)  # aborts the request if the client went away
 
@@ -724,10 +723,19 @@ def build_app(llm: LLM, model_name: str | None = None,
     async def stream_response(request: web.Request, rid: str, chat: bool,
                               include_usage: bool, body: dict,
                               params: SamplingParams) -> web.StreamResponse:
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+        try:
+            return await write_stream(request, resp, rid, chat, include_usage, body, params)
+        except ConnectionResetError:  # a write found the connection closed: the client left
+            logger.info("client went away during %s", rid)
+            return resp
+
+    async def write_stream(request: web.Request, resp: web.StreamResponse, rid: str,
+                           chat: bool, include_usage: bool, body: dict,
+                           params: SamplingParams) -> web.StreamResponse:
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
         await resp.prepare(request)
 
         def chunk(index: int, finish_reason, stop_reason, piece: dict, logprobs=None) -> bytes:

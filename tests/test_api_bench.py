@@ -82,6 +82,7 @@ def test_reproduce_cli_with_base_url_saves_json_and_csv(kvlab_server, tmp_path, 
     assert json.loads((tmp_path / "prefix-cache.json").read_text())[0]["warm_cached_tokens"] > 0
     assert (tmp_path / "prefix-cache.csv").is_file()
     assert json.loads((tmp_path / "server.json").read_text())["cache_salt"] == "accepted"
+    assert (tmp_path / "api-run.png").stat().st_size > 0  # the chapters' plot
     with pytest.raises(SystemExit):
         main(["reproduce", "paged-admission", "--base-url", server.url])  # not through an API
 

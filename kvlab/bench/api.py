@@ -336,8 +336,8 @@ async def prefix_cache(server: Server, prefix_words: int = 700, tail_words: int 
            "speedup": round(statistics.median(cold) / statistics.median(warm), 2)}
     rows = [row]
     if reported:
-        row["cold_cached_tokens"] = statistics.median(cold_cached)
-        row["warm_cached_tokens"] = statistics.median(warm_cached)
+        row["cold_cached_tokens"] = int(statistics.median(cold_cached))
+        row["warm_cached_tokens"] = int(statistics.median(warm_cached))
     else:
         rows.append(not_measurable(
             "cached_tokens", "usage has no prompt_tokens_details.cached_tokens (vLLM reports it "
@@ -345,7 +345,7 @@ async def prefix_cache(server: Server, prefix_words: int = 700, tail_words: int 
     if after_reset:
         row["after_reset_ttft_ms"] = ms(statistics.median(t for t, _ in after_reset))
         if reported:
-            row["after_reset_cached_tokens"] = statistics.median(c for _, c in after_reset)
+            row["after_reset_cached_tokens"] = int(statistics.median(c for _, c in after_reset))
     else:
         rows.append(not_measurable("cold again after a reset", server.reset_why or
                                    "POST /reset_prefix_cache answered success: false"))
@@ -466,4 +466,14 @@ def run_api_experiments(base_url: str, names: list[str] | None = None,
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "server.json").write_text(json.dumps(server.describe(), indent=2))
+        try:  # the chapters' plots, where matplotlib is installed (the notebooks extra)
+            import matplotlib.pyplot as plt
+
+            from kvlab.viz import plot_api_run
+
+            fig = plot_api_run(results)
+            fig.savefig(out_dir / "api-run.png", dpi=120)
+            plt.close(fig)
+        except ImportError:
+            pass
     return results
