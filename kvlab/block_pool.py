@@ -60,6 +60,8 @@ class BlockPool:
         # KV cache events (kvlab/kv_events.py), recorded only when someone will drain them.
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        # Block residency (kvlab/kv_cache_metrics.py), timed only when a collector is attached.
+        self.metrics_collector = None
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -74,6 +76,7 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: only {len(self.free_queue)} are free"
             )
         blocks = []
+        collector = self.metrics_collector
         for _ in range(num_blocks):
             # The head: an unkeyed block if there is one, else the least recently freed
             # cached block (the LRU eviction victim).
@@ -81,6 +84,9 @@ class BlockPool:
             assert blk.ref_cnt == 0, f"block {blk.block_id} was free with ref_cnt {blk.ref_cnt}"
             self._evict(blk)
             blk.ref_cnt = 1
+            if collector is not None:  # its old content is gone: one life ends, one begins
+                collector.on_block_evicted(blk.block_id)
+                collector.on_block_allocated(blk.block_id)
             blocks.append(blk)
         return blocks
 
@@ -136,6 +142,8 @@ class BlockPool:
             blk.block_hash = None
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
+        if self.metrics_collector is not None:
+            self.metrics_collector.reset()
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -150,6 +158,9 @@ class BlockPool:
             if blk.ref_cnt == 0:
                 del self.free_queue[blk.block_id]
             blk.ref_cnt += 1
+        if self.metrics_collector is not None:
+            for blk in blocks:
+                self.metrics_collector.on_block_accessed(blk.block_id)
 
     def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block. Blocks that reach 0 rejoin the free queue:

@@ -50,6 +50,14 @@ def parser() -> argparse.ArgumentParser:
                    help="never compile (unset: the flex backend compiles on a GPU only)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off, as in vLLM)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: the model's own name)")
+    # vLLM's observability flags (vllm/engine/arg_utils.py): the KV block residency histograms.
+    # vLLM: off, sampling 0.01 of blocks; kvlab: on, every block (the pools here are small).
+    p.add_argument("--kv-cache-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="the vllm:kv_block_* residency histograms on /metrics")
+    p.add_argument("--kv-cache-metrics-sample", type=float, default=1.0,
+                   help="fraction of KV blocks timed for those histograms")
     p.add_argument("--api-keys-file", default=None, metavar="PATH",
                    help="key mode: a JSON object {key: tenant} (or key=tenant pairs); every /v1 "
                         "request then needs 'Authorization: Bearer <key>' and gets its tenant's "
@@ -100,7 +108,9 @@ def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     # vLLM's switch for its development routes (POST /reset_prefix_cache among them).
     dev_mode = environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     return {"enable_prompt_tokens_details": args.enable_prompt_tokens_details,
-            "api_keys": api_keys, "salt_secret": salt_secret, "dev_mode": dev_mode}
+            "api_keys": api_keys, "salt_secret": salt_secret, "dev_mode": dev_mode,
+            "model_name": args.served_model_name, "kv_cache_metrics": args.kv_cache_metrics,
+            "kv_cache_metrics_sample": args.kv_cache_metrics_sample}
 
 
 def main(argv=None) -> None:

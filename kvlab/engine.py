@@ -166,6 +166,7 @@ class LLMEngine:
                     parent_id=request_id,
                     index=i,
                     group=group,
+                    prompt_logprobs=None if params.prompt_logprobs is None else [None],
                 )
             )
         self.parents[request_id] = samples

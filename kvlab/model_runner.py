@@ -17,9 +17,11 @@ import torch
 from kvlab.attention_metadata import CommonAttentionMetadata, to_device
 from kvlab.model import Transformer
 from kvlab.request import Request
-from kvlab.sampling import Sampler
+from kvlab.sampling import Sampler, prompt_logprobs
 from kvlab.outputs import ModelRunnerOutput
 from kvlab.scheduler import SchedulerOutput
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits call
 
 
 class ModelRunner:
@@ -86,6 +88,29 @@ class ModelRunner:
                                  .contiguous(), self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
+    @staticmethod
+    def _prompt_logprob_rows(request: Request, num_new: int, row0: int):
+        """The flat rows of this step whose logits predict a prompt token not yet scored.
+        Position p predicts token p + 1; `request.prompt_logprobs` already holds entries for
+        tokens 0 .. len - 1, so a recomputed prompt (after a preemption) is not scored twice."""
+        start = request.num_computed_tokens
+        first = max(start, len(request.prompt_logprobs) - 1)  # first position to score
+        last = min(start + num_new, request.num_prompt_tokens - 1)  # one past the last
+        if first < last:
+            yield request, row0 + first - start, last - first
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows) -> None:
+        """Score the prompt tokens at `prompt_rows` (one logits call for all of them)."""
+        for request, row0, count in prompt_rows:
+            # In slices, so a long prompt never holds (prompt length x vocabulary) logits.
+            for at in range(0, count, PROMPT_LOGPROBS_ROWS):
+                n = min(PROMPT_LOGPROBS_ROWS, count - at)
+                logits = self.model.compute_logits(hidden[row0 + at : row0 + at + n])  # (n, V)
+                p0 = len(request.prompt_logprobs)  # the first target token's index
+                request.prompt_logprobs.extend(prompt_logprobs(
+                    logits, request.prompt_token_ids[p0 : p0 + n],
+                    request.sampling_params.prompt_logprobs))
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: copies, forward, logits of the sequences that reached their end,
         sampling. A request in the middle of a chunked prompt gets no token: its last computed
@@ -95,9 +120,13 @@ class ModelRunner:
         ids, pos, meta = self.prepare(sched)
         rows: list[int] = []  # the flat-batch row each done sequence samples from
         samplers: list[Request] = []  # who samples from it (forked samples share their parent's)
+        # Prompt logprobs: only requests that ask pay, for their prompt positions' rows.
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first row, count)
         end = 0
         for request, num_new in sched.scheduled:
             end += num_new
+            if request.prompt_logprobs is not None:
+                prompt_rows.extend(self._prompt_logprob_rows(request, num_new, end - num_new))
             if request.num_computed_tokens + num_new == request.num_tokens:
                 rows.append(end - 1)  # the sequence's last new token
                 samplers.append(request)
@@ -110,6 +139,8 @@ class ModelRunner:
         logits = None
         if rows:
             logits = self.model.compute_logits(hidden if last is None else hidden[last])  # (B, V)
+        if prompt_rows:
+            self._prompt_logprobs(hidden, prompt_rows)
         timer.stop()
         output = ModelRunnerOutput()
         if logits is None:

@@ -90,6 +90,7 @@ class OutputProcessor:
                 finished=finished,
                 num_cached_tokens=first.num_cached_tokens,
                 metrics=first.metrics,
+                prompt_logprobs=first.prompt_logprobs,
             ))
             if finished:
                 self.remove(parent_id)

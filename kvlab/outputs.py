@@ -8,6 +8,16 @@ from kvlab.metrics import RequestMetrics
 
 
 @dataclass
+class Logprob:
+    """One token's log probability and its rank among the vocabulary (1 = the most likely), as
+    vLLM's `Logprob` (vllm/logprobs.py) less the decoded text (the server adds that). Used for
+    prompt logprobs; a generated token's logprobs are plain floats (CompletionOutput.logprobs)."""
+
+    logprob: float
+    rank: int
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -32,6 +42,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams(prompt_logprobs=k): one entry per prompt token, None for the first
+    # (nothing predicts it), else {token id: Logprob} with the prompt's own token first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

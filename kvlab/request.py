@@ -48,6 +48,9 @@ class Request:
     # SamplingParams(logprobs=k): per generated token, {token id: logprob} of the top k and
     # the sampled token (vLLM's CompletionOutput.logprobs, as plain floats).
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams(prompt_logprobs=k): filled by the model runner chunk by chunk, starting
+    # [None] (the first prompt token has no prediction); None when not asked for.
+    prompt_logprobs: list | None = None
     # vLLM v1's one number of progress: tokens whose K/V are in the cache. The scheduler gives a
     # request `num_tokens - num_computed_tokens` new tokens: a whole prompt, a chunk, or the one
     # token sampled last step (a decode). Prefill and decode are the same thing at different sizes.

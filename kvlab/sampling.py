@@ -88,6 +88,14 @@ class SamplingParams:
     # Top logprobs to return per generated token, besides the sampled token's own (so up to
     # logprobs + 1 entries); 0 returns the sampled token's alone; None returns none.
     logprobs: int | None = None
+    # Logprobs of every prompt token but the first (what the model predicted at each position),
+    # with the top `prompt_logprobs` ids beside it; None: none. Chapter 05: such a request
+    # computes its whole prompt, so it does not read the prefix cache (below).
+    prompt_logprobs: int | None = None
+    # vLLM's rule (vllm/sampling_params.py, __post_init__): None means "skip when prompt
+    # logprobs are asked for", since a prefix-cache hit leaves its positions without logits.
+    # It may still write the cache: the blocks it computes are keyed for others.
+    skip_reading_prefix_cache: bool | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -142,6 +150,10 @@ class SamplingParams:
             raise ValueError("stop strings need detokenize=True (they are matched in the text); "
                              "set detokenize=True or use stop_token_ids")
         check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+        check_bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(
                 "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
@@ -319,6 +331,29 @@ class Sampler:
                 entry.setdefault(int(host[ids_start + r * k + j]), host[vals_start + r * k + j])
             out[i] = entry
         return SamplerOutput(token_ids, out)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict]:
+    """Per row of (R, V) logits: {target: Logprob, then the top k ids: Logprob}, the target
+    first (vLLM's order for prompt logprobs), each with its rank (1 = the model's favourite).
+    Only requests that ask for prompt logprobs pay for this: the plain path never calls it."""
+    from kvlab.outputs import Logprob
+
+    logprobs = logits.float().log_softmax(dim=-1)  # raw logprobs, float32: (R, V)
+    tgt = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, tgt)  # (R, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (R,)
+    k = min(k, logprobs.shape[1])
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tgt[:, :0])
+    host = torch.cat([chosen.double(), ranks.double().unsqueeze(1), top_ids.double(),
+                      top_vals.double()], dim=1).tolist()  # one transfer
+    out = []
+    for target, row in zip(targets, host):
+        entry = {target: Logprob(row[0], int(row[1]))}
+        for j in range(k):
+            entry.setdefault(int(row[2 + j]), Logprob(row[2 + k + j], j + 1))
+        out.append(entry)
+    return out
 
 
 def _mask_top_k(scaled: torch.Tensor, rows: torch.Tensor, ks: torch.Tensor, max_k: int) -> None:

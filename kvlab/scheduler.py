@@ -131,7 +131,12 @@ class Scheduler:
             # Prefix cache (chapter 05): blocks some earlier request already computed, this
             # step's earlier admissions included (they were keyed when their blocks were taken).
             hits, num_hit = [], 0
-            if request.num_computed_tokens == 0:
+            # A request asking for prompt logprobs computes its whole prompt (vLLM's
+            # skip_reading_prefix_cache, vllm/v1/core/kv_cache_manager.py
+            # prefix_cache_lookup_enabled): no lookup, and it is not counted as a query.
+            lookup = (request.num_computed_tokens == 0
+                      and not request.sampling_params.skip_reading_prefix_cache)
+            if lookup:
                 hits, num_hit = kv.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + num_hit
             num_new = self._num_new_tokens(request, budget, num_computed)
@@ -143,8 +148,9 @@ class Scheduler:
                                      full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
                                      has_scheduled_reqs=bool(self.running)):
                 break  # first come, first served: nobody overtakes the head of the queue
-            if request.num_computed_tokens == 0:
+            if lookup:
                 kv.record_prefix_cache_stats(request, num_hit)
+            if request.num_computed_tokens == 0:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_computed

@@ -9,16 +9,24 @@ Request fields (the tables `SUPPORTED_FIELDS` and `UNSUPPORTED_FIELDS` below are
   `max_completion_tokens`; default 16), `temperature`, `top_p`, `n`, `seed`, `stop` (a string or
   up to 4 strings), `stream` and `stream_options.include_usage`; vLLM's extras `top_k`,
   `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens` and
-  `cache_salt` (refused in key mode, below). `model` and `user` are tags: accepted, not used (one model is served).
+  `cache_salt` (refused in key mode, below). Logprobs as vLLM serves them: completions'
+  `logprobs` (an int: top alternatives per token) and `echo` (the prompt, and with `logprobs`
+  its tokens' logprobs, before the completion), chat's `logprobs` (a bool) and `top_logprobs`,
+  and vLLM's `prompt_logprobs` (not with `stream`, as vLLM). A request asking for prompt
+  logprobs computes its whole prompt: it does not read the prefix cache (vLLM's
+  `skip_reading_prefix_cache`, vllm/sampling_params.py). `model`, when sent, must be the
+  served name (else 404 "The model `x` does not exist.", as
+  vllm/entrypoints/serve/engine/serving.py); `user` is a tag, accepted and unused.
 * Refused with a 400 that names the field: every other OpenAI field (and a few vLLM extras) that
-  kvlab does not implement, e.g. `logprobs`, `echo`, `suffix`, `frequency_penalty`,
+  kvlab does not implement, e.g. chat's `echo`, `suffix`, `frequency_penalty`,
   `logit_bias`, `tools`, `response_format`, `min_p`, unless sent at its "off" value (null, 0,
   false, empty, `best_of` equal to `n`, `response_format` {"type": "text"}); and any field name
   that is neither OpenAI's nor kvlab's. vLLM ignores unknown fields with a log warning; kvlab
   refuses them, so a workshop participant who types `max_token` sees the typo instead of a
   silently different answer.
 
-Responses as vLLM's: `finish_reason` and vLLM's `stop_reason` (the stop string or stop token id)
+Responses as vLLM's: a chat stream opens with one chunk per choice carrying `delta.role`
+"assistant"; `finish_reason` and vLLM's `stop_reason` (the stop string or stop token id)
 per choice, `usage` (with `prompt_tokens_details.cached_tokens` under
 `--enable-prompt-tokens-details`). A streaming request asks the engine for
 `RequestOutputKind.DELTA` (each output holds only the new text; the engine's incremental
@@ -30,7 +38,9 @@ asyncio queue for its outputs. The worker never dies of a failed step: the reque
 get an HTTP 500 (or, once streaming, an SSE `data: {"error": ...}` event then `data: [DONE]`),
 the engine has already returned their blocks, and the others go on. `/health` is 200 while the
 worker runs and 503, with the reason, when it does not. A client that disconnects has its
-request aborted at once, which returns its blocks. Bad requests get a 400 with the reason.
+request aborted at once, which returns its blocks, and costs one log line (a normal event, not an
+error). Bad requests get a 400 with the reason, before anything touches the engine. `/metrics`
+has vLLM's metric names (`kvlab.serve_metrics`).
 
 Threat model of `cache_salt`: by default the client chooses it, so it isolates only a client whose
 salt is secret and unguessable; whoever sends the same salt shares its cached prefixes and can
@@ -45,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import itertools
+from itertools import islice
 import json
 import logging
 import threading
@@ -53,7 +64,10 @@ import time
 from aiohttp import web
 
 from kvlab.engine import LLM, EngineStepError
+from kvlab.kv_cache_metrics import KVCacheMetricsCollector
+from kvlab.outputs import Logprob
 from kvlab.sampling import RequestOutputKind, SamplingParams
+from kvlab.serve_metrics import CONTENT_TYPE, ServerMetrics
 from kvlab.tenants import TenantKeys
 
 logger = logging.getLogger(__name__)
@@ -63,25 +77,30 @@ logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop",
                    "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
                    "skip_special_tokens")
+# model: must name the served model when sent (else 404, as vLLM); user: a tag, unused (vLLM
+# ignores it too). prompt_logprobs: vLLM's extra (not with stream, as vLLM refuses).
 _COMMON_FIELDS = (*SAMPLING_FIELDS, "stream", "stream_options", "cache_salt",
-                  "model", "user")  # model, user: tags, accepted and unused (vLLM ignores user)
+                  "model", "user", "logprobs", "prompt_logprobs")
 # Every field kvlab implements, per endpoint.
 SUPPORTED_FIELDS: dict[str, tuple[str, ...]] = {
-    "/v1/completions": ("prompt", *_COMMON_FIELDS),
+    # logprobs: an int (top logprobs per token); echo: the prompt before the completion.
+    "/v1/completions": ("prompt", "echo", *_COMMON_FIELDS),
     # OpenAI's current name for max_tokens in chat; it wins when both are sent (as in vLLM).
-    "/v1/chat/completions": ("messages", "max_completion_tokens", *_COMMON_FIELDS),
+    # logprobs: a bool; top_logprobs: how many alternatives per token.
+    "/v1/chat/completions": ("messages", "max_completion_tokens", "top_logprobs",
+                             *_COMMON_FIELDS),
 }
+# The most top logprobs per token a request may ask for (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 # OpenAI's request fields, and vLLM's extras, that kvlab does not implement, each with the values
 # that mean "off". Those values are accepted (clients send defaults explicitly); any other value
 # is refused with a 400 naming the field, never answered as if the field were not there.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # OpenAI
     "best_of": (None,),  # also accepted when equal to n: one candidate per returned sample
-    "echo": (None, False),
+    "echo": (None, False),  # chat only (vLLM's chat echo); completions has it
     "suffix": (None, ""),
-    # Completions: an int, and 0 already asks for the sampled token's logprob; chat: a bool.
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "top_logprobs": (None, 0),  # completions only: chat has it
     "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0),
     "logit_bias": (None, {}),
@@ -105,7 +124,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "length_penalty": (None, 1),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
-    "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
     "structured_outputs": (None,),
@@ -164,6 +182,8 @@ class AsyncEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
         self.ids = itertools.count()
+        self.metrics: ServerMetrics | None = None  # set by build_app
+        self.seen: set[str] = set()  # requests whose first output was delivered (for metrics)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -221,8 +241,18 @@ class AsyncEngine:
             else:
                 for out in outputs:
                     queue = self.queues.get(out.request_id)
+                    if self.metrics is not None:
+                        first = out.request_id not in self.seen
+                        if first and not out.finished:
+                            self.seen.add(out.request_id)
+                        elif out.finished:
+                            self.seen.discard(out.request_id)
+                        self.metrics.observe_output(out, first)
                     if queue is not None:
                         self._deliver(queue, out)
+            collector = self.engine.kv_cache_manager.block_pool.metrics_collector
+            if collector is not None and self.metrics is not None:
+                self.metrics.observe_evictions(collector.drain())
         return busy
 
     def _fail(self, request_ids: list[str], message: str, abort: bool = False) -> None:
@@ -289,6 +319,7 @@ class AsyncEngine:
     def release(self, rid: str) -> None:
         """Forget the request; abort it if it is still running (the client went away)."""
         self.queues.pop(rid, None)
+        self.seen.discard(rid)
         # Fast path without the lock (which may be held for a whole step): a request no longer
         # in `parents` has finished or failed, and nothing can bring it back.
         if rid in self.engine.parents:
@@ -345,11 +376,51 @@ def _is_noop(value, noops: tuple) -> bool:
     return False
 
 
+def _check_count(body: dict, key: str) -> int | None:
+    """An optional count of logprobs in [0, MAX_LOGPROBS] (vLLM's -1, "the whole
+    vocabulary", is not served)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{key}' must be an integer, got {json.dumps(value)}", param=key)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"'{key}' must be between 0 and {MAX_LOGPROBS}, got {value}",
+                          param=key)
+    return value
+
+
+def logprob_fields(body: dict, chat: bool, stream: bool) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) for SamplingParams, with vLLM's rules
+    (vllm/entrypoints/openai/{completion,chat_completion}/protocol.py)."""
+    prompt_logprobs = _check_count(body, "prompt_logprobs")
+    if prompt_logprobs is not None and stream:
+        raise bad_request("'prompt_logprobs' are not available when \"stream\": true",
+                          param="prompt_logprobs")
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad_request("'logprobs' must be true or false in chat (the number of "
+                              "alternatives is 'top_logprobs')", param="logprobs")
+        top = _check_count(body, "top_logprobs")
+        if top and not wanted:
+            raise bad_request("'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
+        return (top or 0) if wanted else None, prompt_logprobs
+    logprobs = _check_count(body, "logprobs")
+    if prompt_logprobs is None and body.get("echo") and logprobs is not None:
+        prompt_logprobs = logprobs  # echo with logprobs scores the prompt too (vLLM's rule)
+    return logprobs, prompt_logprobs
+
+
 def sampling_params(body: dict, chat: bool, stream: bool) -> SamplingParams:
     kwargs = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     if chat and body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", 16)
+    echo = body.get("echo")
+    if not chat and echo is not None and not isinstance(echo, bool):
+        raise bad_request("'echo' must be true or false", param="echo")
+    kwargs["logprobs"], kwargs["prompt_logprobs"] = logprob_fields(body, chat, stream)
     stop = kwargs.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
@@ -402,6 +473,69 @@ def sse(payload) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
+# ---- logprobs in OpenAI's shapes, as vLLM builds them ----------------------------------------
+def _logprob(value) -> float:
+    """A float (a generated token's) or a Logprob (a prompt token's); -inf as OpenAI's -9999."""
+    return max(value.logprob if isinstance(value, Logprob) else value, -9999.0)
+
+
+class TokenText:
+    """Each token id's text, decoded once (the logprobs shapes name tokens by their text)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.cache = tokenizer, {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def completion_logprobs(text: TokenText, token_ids, entries, k: int, offset: int = 0) -> dict:
+    """Completions' `logprobs` object: per token its text, its logprob (None for the first
+    prompt token, which nothing predicts), the top k + 1 entries (the token's own first) and
+    the character offset where it starts (vLLM's _create_completion_logprobs)."""
+    out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for token_id, entry in zip(token_ids, entries):
+        token = text(token_id)
+        out["tokens"].append(token)
+        out["text_offset"].append(offset)
+        offset += len(token)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(_logprob(entry[token_id]))
+            out["top_logprobs"].append(
+                {text(t): _logprob(v) for t, v in islice(entry.items(), k + 1)})
+    return out
+
+
+def chat_logprobs(text: TokenText, token_ids, entries, k: int) -> dict:
+    """Chat's `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}, the
+    first k entries in the engine's order (the sampled token first), as vLLM's."""
+
+    def item(token: str, value) -> dict:
+        return {"token": token, "logprob": _logprob(value),
+                "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {"content": [
+        {**item(text(token_id), entry[token_id]),
+         "top_logprobs": [item(text(t), v) for t, v in islice(entry.items(), k)]}
+        for token_id, entry in zip(token_ids, entries)]}
+
+
+def prompt_logprobs_json(text: TokenText, entries) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else
+            {str(t): {"logprob": _logprob(v), "rank": v.rank, "decoded_token": text(t)}
+             for t, v in e.items()} for e in entries]
+
+
 def unauthorized(message: str) -> web.Response:
     """A 401 in kvlab's (OpenAI's) error shape; vLLM's middleware answers `{"error":
     "Unauthorized"}`. The message never quotes what the client sent."""
@@ -424,17 +558,27 @@ def build_app(llm: LLM, model_name: str | None = None,
               enable_prompt_tokens_details: bool = False,
               api_keys: dict[str, str] | None = None,
               salt_secret: bytes | None = None,
-              dev_mode: bool = False) -> web.Application:
+              dev_mode: bool = False,
+              kv_cache_metrics: bool = True,
+              kv_cache_metrics_sample: float = 1.0) -> web.Application:
     """The server's aiohttp app. `api_keys` ({key: tenant}) turns on key mode, with the tenants'
     salts derived from `salt_secret` (a random one when None: see `kvlab.tenants`). `dev_mode`
     adds vLLM's development routes (`VLLM_SERVER_DEV_MODE=1` in vLLM: `POST
     /reset_prefix_cache`, vllm/entrypoints/serve/dev/cache/api_router.py); off by default, as
-    there: any client could wipe every tenant's cached prefixes."""
+    there: any client could wipe every tenant's cached prefixes. `kv_cache_metrics` times a
+    `kv_cache_metrics_sample` fraction of KV blocks for the residency histograms (vLLM's
+    `--kv-cache-metrics`, off by default there, sampling 0.01; on here, every block: the
+    workshop's pools are small)."""
     if api_keys is None and salt_secret is not None:
         raise ValueError("salt_secret is only used with api_keys (key mode)")
     keys = TenantKeys(api_keys, salt_secret) if api_keys is not None else None
     engine = AsyncEngine(llm)
     name = model_name or llm.llm_engine.loaded.name
+    engine.metrics = server_metrics = ServerMetrics(llm, name)
+    pool = llm.llm_engine.kv_cache_manager.block_pool
+    pool.metrics_collector = (KVCacheMetricsCollector(kv_cache_metrics_sample)
+                              if kv_cache_metrics else None)
+    token_text = TokenText(llm.get_tokenizer())
 
     @web.middleware
     async def authenticate(request: web.Request, handler):
@@ -489,6 +633,11 @@ def build_app(llm: LLM, model_name: str | None = None,
         try:
             body = await read_body(request)
             check_fields(body, request.path)
+            model = body.get("model")
+            if model is not None and model != "" and model != name:
+                # vLLM's answer (vllm/entrypoints/serve/engine/serving.py, _check_model).
+                raise RequestFailed(f"The model `{model}` does not exist. Valid aliases: {name}.",
+                                    404, "NotFoundError", "model")
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
@@ -520,41 +669,94 @@ def build_app(llm: LLM, model_name: str | None = None,
             return e.response()
         try:
             if stream:
-                return await stream_response(request, rid, chat, include_usage)
-            return await full_response(rid, chat)
+                return await stream_response(request, rid, chat, include_usage, body, params)
+            return await full_response(rid, chat, body, params)
+        except asyncio.CancelledError:
+            # The client hung up (aiohttp cancels its handler): a normal event, one line; its
+            # request is aborted below, which returns its blocks.
+            logger.info("client went away during %s", rid)
+            raise
         finally:
             engine.release(rid)  # aborts the request if the client went away
 
-    async def full_response(rid: str, chat: bool) -> web.Response:
+    def prompt_text(out) -> str:
+        return out.prompt if out.prompt is not None else llm.get_tokenizer().decode(
+            out.prompt_token_ids)
+
+    async def full_response(rid: str, chat: bool, body: dict,
+                            params: SamplingParams) -> web.Response:
         out = None
         try:
             async for out in engine.outputs(rid):  # FINAL_ONLY: one output, when it is done
                 pass
         except RequestFailed as e:
             return e.response()
-        choices = [
-            {"index": o.index, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-             "logprobs": None,
-             **({"message": {"role": "assistant", "content": o.text}} if chat
-                else {"text": o.text})}
-            for o in out.outputs
-        ]
+        echo = not chat and bool(body.get("echo"))
+        k = params.logprobs
+        plp = prompt_logprobs_json(token_text, out.prompt_logprobs)
+        choices = []
+        for o in out.outputs:
+            logprobs = None
+            if chat:
+                if k is not None:
+                    logprobs = chat_logprobs(token_text, o.token_ids, o.logprobs, k)
+                piece = {"message": {"role": "assistant", "content": o.text}}
+            else:
+                text, ids, entries = o.text, o.token_ids, o.logprobs
+                if echo:  # the prompt, then the completion (vLLM's echo)
+                    text = prompt_text(out) + text
+                    ids = [*out.prompt_token_ids, *ids]
+                    entries = [*(out.prompt_logprobs or []), *(entries or [])]
+                if k is not None:
+                    logprobs = completion_logprobs(token_text, ids, entries, k)
+                piece = {"text": text, "prompt_logprobs": plp}
+            choices.append({"index": o.index, "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason, "logprobs": logprobs, **piece})
         completion = sum(len(o.token_ids) for o in out.outputs)
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": name, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion, out.num_cached_tokens,
-                           enable_prompt_tokens_details)})
+                           enable_prompt_tokens_details),
+            **({"prompt_logprobs": plp} if chat else {})})
 
     async def stream_response(request: web.Request, rid: str, chat: bool,
-                              include_usage: bool) -> web.StreamResponse:
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
+                              include_usage: bool, body: dict,
+                              params: SamplingParams) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+        try:
+            return await write_stream(request, resp, rid, chat, include_usage, body, params)
+        except ConnectionResetError:  # a write found the connection closed: the client left
+            logger.info("client went away during %s", rid)
+            return resp
+
+    async def write_stream(request: web.Request, resp: web.StreamResponse, rid: str,
+                           chat: bool, include_usage: bool, body: dict,
+                           params: SamplingParams) -> web.StreamResponse:
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
         await resp.prepare(request)
+
+        def chunk(index: int, finish_reason, stop_reason, piece: dict, logprobs=None) -> bytes:
+            return sse({"id": rid, "object": kind, "created": created, "model": name,
+                        "choices": [{"index": index, "finish_reason": finish_reason,
+                                     "stop_reason": stop_reason, "logprobs": logprobs,
+                                     **piece}]})
+
+        if chat:
+            # As OpenAI and vLLM: the stream opens with the role, one chunk per choice.
+            for i in range(params.n):
+                await resp.write(chunk(i, None, None, {"delta": {"role": "assistant",
+                                                                 "content": ""}}))
+        echo = not chat and bool(body.get("echo"))
+        k = params.logprobs
         tokens: dict[int, int] = {}  # per choice index, for usage
         finished: set[int] = set()
+        # Tokens whose text is held back (a partial stop string or character) wait here with
+        # their logprobs, and go out with the text they make.
+        pending: dict[int, tuple[list, list]] = {}
+        offsets: dict[int, int] = {}  # per choice: characters sent so far (text_offset)
         out = None
         try:
             # DELTA: each output holds only the completions that changed in this step, each with
@@ -562,15 +764,30 @@ def build_app(llm: LLM, model_name: str | None = None,
             async for out in engine.outputs(rid):
                 for o in out.outputs:
                     tokens[o.index] = tokens.get(o.index, 0) + len(o.token_ids)
-                    if o.index in finished or (not o.text and o.finish_reason is None):
+                    if o.index in finished:
+                        continue
+                    ids, entries = pending.setdefault(o.index, ([], []))
+                    ids += o.token_ids
+                    entries += o.logprobs or []
+                    if not o.text and o.finish_reason is None:
                         continue  # e.g. a partial stop string or character held back
                     if o.finish_reason is not None:
                         finished.add(o.index)  # each choice's finish_reason is sent once
-                    piece = {"delta": {"content": o.text}} if chat else {"text": o.text}
-                    await resp.write(sse({
-                        "id": rid, "object": kind, "created": created, "model": name,
-                        "choices": [{"index": o.index, "finish_reason": o.finish_reason,
-                                     "stop_reason": o.stop_reason, **piece}]}))
+                    text = o.text
+                    if echo and o.index not in offsets:  # the prompt goes out first
+                        text = prompt_text(out) + text
+                        ids[:0] = out.prompt_token_ids
+                        entries[:0] = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                    logprobs = None
+                    if k is not None:
+                        logprobs = (chat_logprobs(token_text, ids, entries, k) if chat else
+                                    completion_logprobs(token_text, ids, entries, k,
+                                                        offsets.get(o.index, 0)))
+                    offsets[o.index] = offsets.get(o.index, 0) + len(text)
+                    pending[o.index] = ([], [])
+                    piece = {"delta": {"content": text}} if chat else {"text": text}
+                    await resp.write(chunk(o.index, o.finish_reason, o.stop_reason, piece,
+                                           logprobs))
             if include_usage:
                 await resp.write(sse({
                     "id": rid, "object": kind, "created": created, "model": name, "choices": [],
@@ -583,27 +800,8 @@ def build_app(llm: LLM, model_name: str | None = None,
         return resp
 
     async def metrics(request: web.Request) -> web.Response:
-        s = llm.stats()
-        lines = []
-        for key, kind, help_text in (
-            ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache"),
-            ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache"),
-            # vLLM counts re-admitted preempted requests apart: finding their own blocks again
-            # is not prefix sharing, and would flatter the hit rate.
-            ("prefix_cache_preempted_queries", "counter",
-             "Prompt tokens looked up in the prefix cache by re-admitted preempted requests"),
-            ("prefix_cache_preempted_hits", "counter",
-             "Prompt tokens found in the prefix cache by re-admitted preempted requests"),
-            ("num_preemptions", "counter", "Requests preempted for lack of KV blocks"),
-            ("num_running", "gauge", "Requests running"),
-            ("num_waiting", "gauge", "Requests waiting"),
-            ("num_used_blocks", "gauge", "KV blocks in use"),
-            ("num_blocks", "gauge", "KV blocks in the pool"),
-        ):
-            metric = f"kvlab:{key}" + ("_total" if kind == "counter" else "")
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}",
-                      f"{metric} {s[key]}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        body = server_metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})

@@ -805,3 +805,45 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     _text_lines(ax_text, 0, left)
     _text_lines(ax_text, 0.6, right)
     return fig
+
+
+def plot_api_run(results: dict):
+    """The experiments through the API (`kvlab.bench.api.run_api_experiments`, notebook 07):
+    tokens/s and TTFT by concurrency (chapter 03), cold / warm / after-reset TTFT (05) and the
+    salt table's TTFT (06), each panel only where the run measured it."""
+    panels = [p for p in ("concurrency", "prefix-cache", "cache-salt") if results.get(p)]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.8 * max(len(panels), 1), 3.4),
+                             squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        rows = [r for r in results[name] if r.get("result") != "not measurable"]
+        if name == "concurrency":
+            levels = [str(r["concurrency"]) for r in rows]
+            bars = ax.bar(levels, [r["tok_s"] for r in rows], color=_colour(0))
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_xlabel("concurrency (2c requests, closed loop)")
+            ax.set_ylabel("output tokens/s")
+            twin = ax.twinx()
+            twin.plot(levels, [r["ttft_median_ms"] for r in rows], "o-", color=_colour(1))
+            twin.set_ylabel("TTFT median (ms)", color=_colour(1))
+            twin.set_ylim(bottom=0)
+        elif name == "prefix-cache":
+            r = rows[0]
+            keys = [("cold", "cold_ttft_ms"), ("warm", "warm_ttft_ms"),
+                    ("after reset", "after_reset_ttft_ms")]
+            keys = [(label, k) for label, k in keys if r.get(k) is not None]
+            bars = ax.bar([label for label, _ in keys], [r[k] for _, k in keys],
+                          color=[_colour(i) for i in range(len(keys))])
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_ylabel("TTFT (ms)")
+            ax.set_title(f"shared prefix, {r['prompt_tokens']}-token prompts", fontsize=9)
+        else:
+            table = [r for r in rows if r.get("experiment") == "salt table" and "order" in r]
+            bars = ax.bar([f"{r['order']}: {r['cache_salt']}" for r in table],
+                          [r["ttft_ms"] for r in table], color=_colour(2))
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_ylabel("TTFT (ms)")
+            ax.set_title("one document, in order, by cache_salt", fontsize=9)
+            ax.tick_params(axis="x", labelsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig

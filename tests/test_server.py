@@ -93,9 +93,9 @@ def test_cache_salt_and_cached_tokens(server):
     with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
         metrics = resp.read().decode()
     hits = next(line for line in metrics.splitlines()
-                if line.startswith("kvlab:prefix_cache_hits_total"))
+                if line.startswith("vllm:prefix_cache_hits_total"))
     assert float(hits.split()[1]) >= 96
-    assert "kvlab:num_preemptions_total" in metrics
+    assert "vllm:num_preemptions_total" in metrics
 
 
 def test_serve_flags_map_onto_llm_knobs():
@@ -473,13 +473,15 @@ def test_n_streamed_per_index_matches_plain(server):
 
 # ---- fields kvlab does not implement are refused, by name ---------------------------------------
 REFUSED = [
-    ("logprobs", 1), ("logprobs", True), ("top_logprobs", 2), ("echo", True), ("suffix", "x"),
+    ("suffix", "x"),
     ("best_of", 3), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("logit_bias", {"42": 10}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
     ("response_format", {"type": "json_object"}), ("min_p", 0.1), ("repetition_penalty", 1.2),
     ("use_beam_search", True),
 ]
+# Implemented on one endpoint only: refused by name on the other.
+REFUSED_ON = [(True, "echo", True), (False, "top_logprobs", 2)]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -495,6 +497,11 @@ def test_unsupported_field_is_refused_by_name(server, chat, field, value):
     assert f"'{field}'" in error["message"] and "not supported" in error["message"]
 
 
+@pytest.mark.parametrize("chat, field, value", REFUSED_ON)
+def test_field_of_the_other_endpoint_is_refused_by_name(server, chat, field, value):
+    test_unsupported_field_is_refused_by_name(server, chat, field, value)
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_fields_at_their_no_op_value_are_accepted(server, chat):
     base, llm = server
@@ -504,7 +511,7 @@ def test_fields_at_their_no_op_value_are_accepted(server, chat):
     status, raw = post(url, plain)
     assert status == 200
     answer = json.loads(raw)["choices"]
-    tags = {"model": "anything", "user": "u-1", "n": 2, "best_of": 2, "stop": None,
+    tags = {"model": llm.llm_engine.loaded.name, "user": "u-1", "n": 2, "best_of": 2, "stop": None,
             "cache_salt": None, "stream": None, "seed": None, "top_k": -1}
     for round_ in range(2):  # every no-op value of every unsupported field, over two requests
         noops = {f: v[round_ % len(v)] for f, v in UNSUPPORTED_FIELDS.items()}
@@ -546,7 +553,9 @@ def test_unknown_field_is_refused_by_name(server, chat, field, hint):
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream (vLLM)
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage"),
     ({"stream": True, "stream_options": {"inclde_usage": True}}, "inclde_usage"),
-    ({"logprobs": 0}, "logprobs"),  # 0 asks for the sampled token's logprob: not a no-op
+    ({"logprobs": True}, "integer"),  # completions: a count, not a bool
+    ({"logprobs": 21}, "between 0 and 20"),
+    ({"prompt_logprobs": 1, "stream": True}, "not available"),  # as vLLM
     ({"best_of": 2, "n": 1}, "best_of"),
 ])
 def test_more_bad_fields(server, body, words):
@@ -562,4 +571,4 @@ def test_metrics_report_preempted_prefix_cache_counters(server):
     for name in ("kvlab:prefix_cache_preempted_queries_total",
                  "kvlab:prefix_cache_preempted_hits_total"):
         assert f"# TYPE {name} counter" in metrics
-        assert any(line.startswith(name + " ") for line in metrics.splitlines())
+        assert any(line.startswith((name + " ", name + "{")) for line in metrics.splitlines())

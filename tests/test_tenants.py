@@ -207,7 +207,7 @@ def test_health_and_metrics_stay_open(keyed):
     status, text, _ = call(base + "/health")
     assert (status, text) == (200, "ok")
     status, text, _ = call(base + "/metrics")
-    assert status == 200 and "kvlab:prefix_cache_hits_total" in text
+    assert status == 200 and "vllm:prefix_cache_hits_total" in text
     status, _, _ = call(base + "/health", authorization="Bearer nonsense")  # ignored there
     assert status == 200
 
@@ -318,6 +318,10 @@ def test_parse_api_keys_formats():
         assert KEY_A1 not in str(info.value)
 
 
+# The server options that key mode leaves at their defaults.
+SERVE_DEFAULTS = {"model_name": None, "kv_cache_metrics": True, "kv_cache_metrics_sample": 1.0}
+
+
 def test_serve_flags_build_the_key_map(tmp_path):
     from kvlab.cli import engine_kwargs, parser, server_kwargs
 
@@ -329,7 +333,8 @@ def test_serve_flags_build_the_key_map(tmp_path):
                                 str(keys_file), "--salt-secret-file", str(secret_file)])
     assert server_kwargs(args, environ={}) == {
         "enable_prompt_tokens_details": False, "api_keys": KEYS,
-        "salt_secret": SECRET.hex().encode(), "dev_mode": False}  # the file's text, its newline stripped
+        "salt_secret": SECRET.hex().encode(), "dev_mode": False,  # the file's text, stripped
+        **SERVE_DEFAULTS}
     assert engine_kwargs(args)["enable_prefix_caching"]  # the engine's flags are untouched
 
     # The environment, in the compact form; the flag wins over it (as --api-key over
@@ -338,13 +343,13 @@ def test_serve_flags_build_the_key_map(tmp_path):
     plain = parser().parse_args(["serve"])
     assert server_kwargs(plain, environ=env) == {
         "enable_prompt_tokens_details": False, "api_keys": {KEY_B: "tenant-b"},
-        "salt_secret": b"s" * 40, "dev_mode": False}
+        "salt_secret": b"s" * 40, "dev_mode": False, **SERVE_DEFAULTS}
     flagged = parser().parse_args(["serve", "--api-keys-file", str(keys_file)])
     assert server_kwargs(flagged, environ=env)["api_keys"] == KEYS
     assert server_kwargs(plain, environ={"KVLAB_API_KEYS": " "})["api_keys"] is None
     assert server_kwargs(plain, environ={}) == {
         "enable_prompt_tokens_details": False, "api_keys": None, "salt_secret": None,
-        "dev_mode": False}
+        "dev_mode": False, **SERVE_DEFAULTS}
     assert server_kwargs(plain, environ={"VLLM_SERVER_DEV_MODE": "1"})["dev_mode"]
 
     for env, words in (({"KVLAB_SALT_SECRET": "s" * 40}, "only used with API keys"),

@@ -99,22 +99,36 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="also write the results to this file")
     p = sub.add_parser("client", help="stream requests to any OpenAI-compatible endpoint")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default="default", help="the model name the server expects")
+    p.add_argument("--model", default=None,
+                   help="the model name the server expects (default: the one /v1/models lists)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", help="also write the results to this file")
+    from kvlab.bench.api import API_EXPERIMENTS, SIZES
     from kvlab.bench.reproduce import EXPERIMENTS
 
     p = sub.add_parser("reproduce", help="the published experiments each chapter reproduces, "
-                                         "tables saved as JSON and CSV")
+                                         "tables saved as JSON and CSV; with --base-url, "
+                                         "those measurable from outside, through any "
+                                         "OpenAI-compatible server (vLLM, kvlab serve)")
     p.add_argument("names", nargs="*", metavar="NAME",
-                   help=f"any of {', '.join(EXPERIMENTS)} (default: all, in chapter order)")
+                   help=f"any of {', '.join(EXPERIMENTS)} (default: all, in chapter order); "
+                        f"with --base-url any of {', '.join(API_EXPERIMENTS)}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None,
+                   help="in process: the model to load; with --base-url: the name the server "
+                        "serves (default: the first /v1/models lists)")
     p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.csv")
+    p.add_argument("--base-url", default=None,
+                   help="measure this server through its API instead (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--size", choices=list(SIZES), default="full",
+                   help="with --base-url: request counts and lengths (small: a test's)")
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="with --base-url: fields every request carries instead of the probed "
+                        "ignore_eos (e.g. a server's own generation config)")
     p = sub.add_parser("peers", help="kvlab vs transformers generate and generate_batch, and "
                                      "kvlab's fraction of this machine's ceiling (the roofline "
                                      "sweep first)")
@@ -144,6 +158,17 @@ def main(argv=None) -> None:
 
         from kvlab.bench.reproduce import run_experiments
 
+        if args.base_url:
+            from kvlab.bench.api import run_api_experiments
+
+            unknown = sorted(set(args.names) - set(API_EXPERIMENTS))
+            if unknown:
+                parser.error(f"unknown experiment(s) {unknown}; through the API: "
+                             f"{list(API_EXPERIMENTS)}")
+            run_api_experiments(args.base_url, args.names, args.model, args.size,
+                                json.loads(args.extra_body) if args.extra_body else None,
+                                Path(args.out), printer=lambda s: print(s, flush=True))
+            return
         unknown = sorted(set(args.names) - set(EXPERIMENTS))
         if unknown:
             parser.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")

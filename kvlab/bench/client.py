@@ -26,12 +26,29 @@ class StreamResult:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # What the server reported besides the text: usage.prompt_tokens, and whether usage had
+    # prompt_tokens_details at all (vLLM: only with --enable-prompt-tokens-details).
+    prompt_tokens: int | None = None
+    reports_cached_tokens: bool = False
+    # perf_counter stamps: sent, each piece of text received, done (the API experiments).
+    start: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> StreamResult:
-    res = StreamResult()
+async def stream_one(session: aiohttp.ClientSession, url: str, body: dict,
+                     res: StreamResult | None = None) -> StreamResult:
+    """Stream one request; `res`, when given, fills as the tokens arrive (a caller can watch)."""
+    res = StreamResult() if res is None else res
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = last = time.perf_counter()
+    t0 = last = res.start = time.perf_counter()
+    try:
+        return await _read_stream(session, url, body, res, t0, last)
+    finally:
+        res.end = time.perf_counter()
+
+
+async def _read_stream(session, url, body, res, t0, last) -> StreamResult:
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             res.error = f"{resp.status}: {await resp.text()}"
@@ -46,9 +63,12 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
                 continue  # [DONE] follows
             if chunk.get("usage"):
                 res.completion_tokens = chunk["usage"]["completion_tokens"]
+                res.prompt_tokens = chunk["usage"].get("prompt_tokens")
                 # Present only when the server reports it (vLLM: --enable-prompt-tokens-details).
-                details = chunk["usage"].get("prompt_tokens_details") or {}
-                res.cached_tokens = details.get("cached_tokens") or 0
+                details = chunk["usage"].get("prompt_tokens_details")
+                res.reports_cached_tokens = isinstance(details, dict) and (
+                    details.get("cached_tokens") is not None)
+                res.cached_tokens = (details or {}).get("cached_tokens") or 0
             for choice in chunk["choices"]:
                 piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if not piece:
@@ -59,6 +79,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> St
                 else:
                     res.itls.append(now - last)
                 last = now
+                res.token_times.append(now)
                 res.text += piece
     return res
 
@@ -96,14 +117,25 @@ def pooled(results: list[StreamResult]):
             [r.completion_tokens for r in ok])
 
 
-async def run_benchmark(base_url: str, prompts: list, model: str = "default",
+async def served_model(base_url: str) -> str:
+    """The first model a server lists at /v1/models (vLLM answers 404 to any other name)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
+            resp.raise_for_status()
+            return (await resp.json())["data"][0]["id"]
+
+
+async def run_benchmark(base_url: str, prompts: list, model: str | None = None,
                         max_tokens: int = 32, concurrency: int = 8,
                         request_rate: float | None = None, seed: int = 0,
                         extra: dict | None = None) -> dict:
     """Send every prompt, at most `concurrency` in flight, arrivals Poisson at `request_rate` per
     second (None: all at once); summarise TTFT, ITL and throughput. A prompt is a string, token
-    ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"})."""
+    ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"}). `model`
+    None: the one the server lists."""
     rng = random.Random(seed)
+    if model is None:
+        model = await served_model(base_url)
     bodies = [{"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                **(extra or {}), **(p if isinstance(p, dict) else {"prompt": p})} for p in prompts]
     delays, t = [], 0.0

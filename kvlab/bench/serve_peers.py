@@ -202,7 +202,7 @@ class ServerSpec:
 def kvlab_spec(port: int, model: str | None = None) -> ServerSpec:
     """`kvlab serve` with its defaults (no prefix cache: the prompts share nothing anyway)."""
     argv = [sys.executable, "-m", "kvlab.cli", "serve", *([model] if model else []),
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "kvlab"]
     return ServerSpec("kvlab serve", port, argv, "kvlab", {"ignore_eos": True})
 
 
