@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvlab.kv_events import AllBlocksCleared, BlockRemoved
 from kvlab.sampling import SamplingParams
 
 # Block states, in the order the legend lists them.
@@ -173,8 +174,6 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
 def _cache_events(engine, previous: EngineSnapshot | None,
                   blocks: list[BlockView]) -> list[Event]:
     """Evictions and resets from the engine's KV cache events since `previous` was taken."""
-    from kvlab.kv_events import AllBlocksCleared, BlockRemoved
-
     log = engine.kv_events
     if previous is not None:  # everything logged since, up to what the log still holds
         n = min(engine.num_kv_events - previous.num_kv_events, len(log))

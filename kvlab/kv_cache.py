@@ -125,11 +125,9 @@ class KVCacheManager:
         # Shared blocks among those this step writes into (only ever the last one after a fork).
         first = num_computed_tokens // self.block_size
         shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
-        if full_sequence_must_fit and request is not None:
-            full = min(request.num_tokens, self.max_model_len or request.num_tokens)
-            if not self.fits(request_id, full, new_computed_blocks, len(shared), request,
-                             has_scheduled_reqs):
-                return False
+        if full_sequence_must_fit and not self.full_sequence_fits(
+                request, new_computed_blocks, len(shared), has_scheduled_reqs):
+            return False
         if not self.fits(request_id, num_tokens, new_computed_blocks, len(shared), request,
                          has_scheduled_reqs):
             return False
@@ -164,6 +162,16 @@ class KVCacheManager:
                 and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)):
             need += self.watermark_blocks
         return need <= self.block_pool.get_num_free_blocks()
+
+    def full_sequence_fits(self, request, new_computed_blocks=(), num_copies: int = 0,
+                           has_scheduled_reqs: bool = True) -> bool:
+        """vLLM's `full_sequence_must_fit` gate: the request's whole sequence (capped at
+        max_model_len) fits in the free blocks now. True when there is no request to judge."""
+        if request is None:
+            return True
+        full = min(request.num_tokens, self.max_model_len or request.num_tokens)
+        return self.fits(request.request_id, full, new_computed_blocks, num_copies, request,
+                         has_scheduled_reqs)
 
     def fork(self, parent_id: str, child_id: str) -> bool:
         """Give `child_id` the parent's tokens without copying them (the PagedAttention paper's

@@ -443,8 +443,8 @@ class _ParticipantAllocateManager(KVCacheManager):
                        new_computed_blocks=(), request=None, *, full_sequence_must_fit=False,
                        has_scheduled_reqs=True) -> bool:
         # The admission gate (scheduler_reserve_full_isl) is kvlab's, not the exercise's.
-        if full_sequence_must_fit and request is not None and not self.fits(
-                request_id, min(request.num_tokens, self.max_model_len), new_computed_blocks):
+        if full_sequence_must_fit and not self.full_sequence_fits(request, new_computed_blocks,
+                                                                  has_scheduled_reqs=False):
             return False
         pool = IdPool(self.block_pool)
         table = self.get_block_ids(request_id)

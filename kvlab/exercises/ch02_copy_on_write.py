@@ -306,8 +306,8 @@ class _CopyOnWriteManager(KVCacheManager):
                        new_computed_blocks=(), request=None, *, full_sequence_must_fit=False,
                        has_scheduled_reqs=True) -> bool:
         # The admission gate (scheduler_reserve_full_isl) is kvlab's, not the exercise's.
-        if full_sequence_must_fit and request is not None and not self.fits(
-                request_id, min(request.num_tokens, self.max_model_len), new_computed_blocks):
+        if full_sequence_must_fit and not self.full_sequence_fits(request, new_computed_blocks,
+                                                                  has_scheduled_reqs=False):
             return False
         blocks = self.req_to_blocks.get(request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(blocks)
