@@ -302,7 +302,8 @@ def choose_weights(which: str) -> dict:
             "why_not_packaged": why[:500]}
 
 
-def make_parts(device: str, quick: bool, out_dir: Path, weights: dict, scale: float):
+def make_parts(device: str, quick: bool, out_dir: Path, weights: dict, scale: float,
+               small: bool = False):
     def tokens_ok(r):
         return all(r[b]["identical_to_transformers"] == r["prompts"] for b in BACKENDS)
 
@@ -322,12 +323,17 @@ def make_parts(device: str, quick: bool, out_dir: Path, weights: dict, scale: fl
     if not quick:
         from kvlab.bench import peers, reproduce
 
+        # --small (a CPU's dry run): the same calls on workloads a 2-core CPU finishes; the GPU
+        # runs the sizes below it.
+        num_requests, batch, repeats = (8, 16, 1) if small else (64, 64, 3)
         parts.append(Part("speed_batch64", lambda: speed_check(device, (64,)), 300))
-        parts.append(Part("peers", lambda: peers.compare_peers(num_requests=64, repeats=3), 400))
-        parts.append(Part("ceiling", lambda: peers.ceiling_fraction(batch=64), 200))
+        parts.append(Part("peers", lambda: peers.compare_peers(num_requests=num_requests,
+                                                               repeats=repeats), 400))
+        parts.append(Part("ceiling", lambda: peers.ceiling_fraction(batch=batch), 200))
         parts.append(Part("reproduce", lambda: {
             name: len(rows) for name, rows in reproduce.run_experiments(
-                list(reproduce.EXPERIMENTS), repeats=3, out_dir=out_dir, progress=False).items()},
+                list(reproduce.EXPERIMENTS), repeats=repeats, out_dir=out_dir,
+                progress=False).items()},
             600))
     before = compile_counters()
     parts.append(Part("flex_compile", lambda: flex_compile_report(before), 30,
@@ -349,6 +355,11 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="the whole run's time: a part that would start past it is skipped, "
                              "and none runs past it (the device's per-command limit)")
+    parser.add_argument("--parts", default=None,
+                        help="comma-separated part names to run (default: all); the machine "
+                             "part always runs")
+    parser.add_argument("--small", action="store_true",
+                        help="peers, ceiling and reproduce on CPU-sized workloads (a dry run)")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -365,7 +376,16 @@ def main(argv=None) -> int:
         report["machine"] = {"status": "fail", "error": f"no model: {type(e).__name__}: {e}"}
         save()
         return 1
-    for part in make_parts(args.device, args.quick, out_dir, weights, scale):
+    parts = make_parts(args.device, args.quick, out_dir, weights, scale, small=args.small)
+    if args.parts is not None:
+        chosen = {name.strip() for name in args.parts.split(",") if name.strip()}
+        unknown = chosen - {p.name for p in parts}
+        if unknown:
+            parser.error(f"no part {sorted(unknown)}; the parts are {[p.name for p in parts]}")
+        parts = [p for p in parts if p.name in chosen or p.name == "machine"]
+    report["options"] = {"quick": args.quick, "small": args.small, "parts": args.parts,
+                         "device": args.device, "budget_s": args.budget_s}
+    for part in parts:
         left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - t0)
         if left is not None and left < 30:
             entry = {"status": "skipped", "seconds": 0.0,
@@ -379,7 +399,8 @@ def main(argv=None) -> int:
         print(f"== {part.name}: {entry['status']} ({entry['seconds']} s)\n"
               f"{json.dumps({k: v for k, v in entry.items() if k != 'status'}, indent=2, default=str)[:3000]}",
               flush=True)
-    report["summary"] = {name: e["status"] for name, e in report.items() if isinstance(e, dict)}
+    report["summary"] = {name: e["status"] for name, e in report.items()
+                         if isinstance(e, dict) and "status" in e}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     save()
     print("== summary", json.dumps(report["summary"]), f"{report['wall_s']} s", flush=True)

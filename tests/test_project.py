@@ -7,6 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,6 +105,26 @@ def test_gpu_check_parts_fail_alone_and_report_pass_fail_skipped(tmp_path, monke
     assert "no kernel image" in report["tokens_float32"]["error"]
     assert "limit" in report["speed"]["error"] and "hangs" in report["speed"]["stacks"]
     assert "random weights" in report["activation_range"]["reason"]
+
+
+def test_gpu_check_runs_only_the_parts_named(tmp_path, monkeypatch):
+    """--parts picks parts by name (the machine part always runs); an unknown name is refused
+    with the list of names, before anything runs."""
+    import json
+
+    gpu_check = load_gpu_check()
+    ran = []
+    monkeypatch.setattr(gpu_check, "choose_weights", lambda which: {"weights": "random"})
+    monkeypatch.setattr(gpu_check, "token_check", lambda *a: ran.append("tokens") or {})
+    monkeypatch.setattr(gpu_check, "speed_check", lambda *a: ran.append("speed") or {})
+    rc = gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick",
+                         "--parts", "speed"])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 0 and ran == ["speed"]
+    assert report["summary"] == {"machine": "pass", "speed": "pass"}
+    assert report["options"]["parts"] == "speed"
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path / "x"), "--device", "cpu", "--parts", "sped"])
 
 
 def _make_print_python(tmp_path, names: list[str]) -> str:
