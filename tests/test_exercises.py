@@ -516,3 +516,57 @@ def test_mutation_script_scores_an_exercise():
             contextlib.redirect_stderr(io.StringIO()):
         assert module.main(["allocate_slots", "fork", "--fast-only"]) == 0
     assert "overall" in out.getvalue()
+
+
+# ---- compare: the answer after an attempt, on demand --------------------------------------------
+def _stub_entry_point(name):
+    ex = exercises.EXERCISES[name]
+    namespace: dict = {}
+    exec(compile(ex.stub, f"<stub {name}>", "exec"), namespace)
+    return namespace[ex.entry_point]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compare_of_a_right_answer_says_same_behaviour_and_shows_both(name):
+    ex = exercises.EXERCISES[name]
+    for impl in (ex.solution, ALTERNATIVES[name]):
+        got = exercises.compare(name, impl)
+        fast = [c for c in ex.cases if not c.real_model]
+        assert got.same_behaviour, got.report()
+        assert len(got.passed) + len(got.skipped) == len(fast)
+        report = got.report()
+        assert inspect.getsource(impl).strip() in report  # theirs
+        assert inspect.getsource(ex.solution).strip() in report  # kvlab's
+        assert ex.full_version and ex.full_version in report
+        assert "chapter" in ex.full_version  # it says where the rest is taught
+        html_text = got._repr_html_()
+        assert "yours" in html_text and "kvlab&#x27;s answer" in html_text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compare_before_an_attempt_shows_no_answer(name):
+    ex = exercises.EXERCISES[name]
+    got = exercises.compare(name, _stub_entry_point(name))
+    assert got.not_done and not got.same_behaviour
+    for text in (got.report(), got._repr_html_()):
+        assert "def " not in text and "class " not in text, text  # no source at all
+        assert f"exercises.solution({name!r})" in text or "exercises.solution(&#x27;" in text
+
+
+@pytest.mark.parametrize("name, impl, case", BUGS, ids=[f"{n}-{c}" for n, _, c in BUGS])
+def test_compare_names_every_case_a_wrong_answer_fails(name, impl, case):
+    got = exercises.compare(name, impl)
+    assert not got.same_behaviour and not got.not_done
+    differences = got.differences()
+    assert any(case in d for d in differences), differences
+    # Unlike check, compare runs every fast case: later ones that pass are counted too.
+    ex = exercises.EXERCISES[name]
+    assert len(got.passed) + len(got.failed) + len(got.skipped) == sum(
+        not c.real_model for c in ex.cases)
+    assert all(d in got.report() for d in differences)
+
+
+def test_compare_of_something_that_is_not_code_says_so():
+    got = exercises.compare("fork", 42)
+    assert not got.same_behaviour
+    assert "what you passed" in got.differences()[0]

@@ -3,6 +3,7 @@
     from kvlab import exercises
     exercises.check("block_pool", TinyBlockPool)   # behaviour tests, then the real model
     exercises.hint("block_pool")                   # a nudge
+    exercises.compare("block_pool", TinyBlockPool) # after your attempt: yours beside kvlab's
     exercises.solution("block_pool")               # kvlab's answer, printed
 
 A check first runs fast cases (small hand-made examples, then seeded random ones compared with
@@ -36,6 +37,7 @@ from kvlab.exercises import (
     ch06_cache_salt,
 )
 from kvlab.exercises._common import Case, Exercise, IdPool, Mismatch, RequestView
+from kvlab.exercises._compare import Comparison
 from kvlab.exercises._report import CheckResult
 
 EXERCISES: dict[str, Exercise] = {
@@ -64,6 +66,14 @@ def hint(name: str) -> None:
     print(_get(name).hint)
 
 
+def compare(name: str, impl) -> Comparison:
+    """Your code beside kvlab's chapter-sized answer, after you tried: every fast case run on
+    yours (each failure named), both sources, and what kvlab's full engine adds, and where."""
+    from kvlab.exercises._compare import compare as _compare
+
+    return _compare(_get(name), impl)
+
+
 def solution(name: str) -> None:
     """Print kvlab's answer (with the imports it needs): paste it into a cell and it runs."""
     print(_get(name).solution_source())
@@ -79,5 +89,5 @@ def by_chapter(chapter: str) -> list[Exercise]:
     return [ex for ex in EXERCISES.values() if ex.chapter == chapter]
 
 
-__all__ = ["EXERCISES", "Exercise", "Case", "CheckResult", "IdPool", "Mismatch", "RequestView",
-           "check", "hint", "solution", "stub", "by_chapter"]
+__all__ = ["EXERCISES", "Exercise", "Case", "CheckResult", "Comparison", "IdPool", "Mismatch",
+           "RequestView", "check", "compare", "hint", "solution", "stub", "by_chapter"]

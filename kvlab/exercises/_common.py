@@ -53,6 +53,11 @@ class Exercise:
     solution: object  # the reference: a top-level function or class
     cases: list[Case] = field(default_factory=list, repr=False)
     imports: str = ""  # the import lines the solution (and the stub) need
+    # What kvlab's engine does beyond this chapter-sized answer, and which chapter teaches it:
+    # the paragraph `exercises.compare` ends with.
+    full_version: str = ""
+    # "build": write a mechanism; "challenge": choose a setting, which the check measures.
+    kind: str = "build"
 
     @property
     def entry_point(self) -> str:

@@ -145,6 +145,33 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def run_case(case, impl, *, fast_timeout_s: float = FAST_TIMEOUT_S,
+             real_timeout_s: float = REAL_TIMEOUT_S) -> tuple[str, Failure | None]:
+    """One case on the participant's code: ("passed", None), ("failed", Failure),
+    ("not_done", None) for NotImplementedError, or ("skipped", Failure whose detail says why)."""
+    limit = case.timeout_s or (real_timeout_s if case.real_model else fast_timeout_s)
+    try:
+        with time_limit(limit):
+            case.run(impl)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as raw:  # noqa: BLE001 - nothing the participant does may escape
+        exc = unwrap(raw)
+        if isinstance(exc, Skip):
+            return "skipped", Failure(case.name, detail=str(exc))
+        if isinstance(exc, NotImplementedError):
+            return "not_done", None
+        if isinstance(exc, Mismatch):
+            return "failed", Failure(case.name, exc.expected, exc.got, exc.detail, hint=case.hint)
+        if isinstance(exc, CheckTimeout):
+            return "failed", Failure(case.name, f"an answer within {limit:g} s",
+                                     "no answer: is there an endless loop?",
+                                     traceback=their_traceback(exc), hint=case.hint)
+        return "failed", Failure(case.name, "", f"your code raised {type(exc).__name__}",
+                                 traceback=their_traceback(exc), hint=case.hint)
+    return "passed", None
+
+
 def run_check(ex: Exercise, impl, *, real_model: bool = True,
               fast_timeout_s: float = FAST_TIMEOUT_S,
               real_timeout_s: float = REAL_TIMEOUT_S) -> CheckResult:
@@ -161,30 +188,16 @@ def run_check(ex: Exercise, impl, *, real_model: bool = True,
         if case.real_model and not real_model:
             result.skipped.append(f"{case.name} (real_model=False)")
             continue
-        limit = case.timeout_s or (real_timeout_s if case.real_model else fast_timeout_s)
-        try:
-            with time_limit(limit):
-                case.run(impl)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as raw:  # noqa: BLE001 - nothing the participant does may escape
-            exc = unwrap(raw)
-            if isinstance(exc, Skip):
-                result.skipped.append(f"{case.name} ({exc})")
-                continue
-            if isinstance(exc, NotImplementedError):
-                result.not_done = True
-            elif isinstance(exc, Mismatch):
-                result.failed = Failure(case.name, exc.expected, exc.got, exc.detail,
-                                        hint=case.hint)
-            elif isinstance(exc, CheckTimeout):
-                result.failed = Failure(case.name, f"an answer within {limit:g} s",
-                                        "no answer: is there an endless loop?",
-                                        traceback=their_traceback(exc), hint=case.hint)
-            else:
-                result.failed = Failure(case.name, "", f"your code raised "
-                                        f"{type(exc).__name__}", traceback=their_traceback(exc),
-                                        hint=case.hint)
+        outcome, failure = run_case(case, impl, fast_timeout_s=fast_timeout_s,
+                                    real_timeout_s=real_timeout_s)
+        if outcome == "skipped":
+            result.skipped.append(f"{case.name} ({failure.detail})")
+            continue
+        if outcome == "not_done":
+            result.not_done = True
+            break
+        if outcome == "failed":
+            result.failed = failure
             break
         result.passed.append(case.name)
     result.seconds = time.perf_counter() - start

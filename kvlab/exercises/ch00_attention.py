@@ -179,6 +179,16 @@ EXERCISE = Exercise(
         "and attend. The check compares you with PyTorch's SDPA, then runs the real model with "
         "your function in every decode step."
     ),
+    full_version=(
+        "kvlab's decode path (kvlab/attention.py, paged_attention_decode) attends for every "
+        "decode token of a step in one call: it gathers each sequence's blocks through its block "
+        "table, folds each KV head's group of query heads into rows so no K/V is repeated, and "
+        "masks the slots past each sequence's length, since sequences in one batch differ in "
+        "length (chapter 03). Prefills attend over the cached past and the new chunk with a "
+        "causal mask (chapters 04 and 05). The step's new K/V are written first, through the slot"
+        " mapping (write_kv), so every layer reads its own token. backend=\"flex\" does the same "
+        "with FlexAttention, compiled on a GPU (chapter 07)."
+    ),
     stub=STUB,
     hint=(
         "kv_layer[0][block_table] picks the sequence's blocks in logical order: shape "

@@ -309,6 +309,15 @@ BLOCK_POOL = Exercise(
         "is reused first). A request gets every block it asks for, or none. The check replays "
         "the same operations on your pool and on kvlab's, then runs a real engine on yours."
     ),
+    full_version=(
+        "kvlab's BlockPool (kvlab/block_pool.py) hands out KVCacheBlock objects rather than ids, "
+        "keeps the free queue as vLLM does, and adds the prefix cache (chapter 05): a full block "
+        "can be filed under its key, a freed keyed block goes to the tail of the queue (the last "
+        "to be reused, so a later request can still hit it), a hit takes a free block back out of"
+        " the queue (touch), and reusing a keyed block evicts its key. It records vLLM's KV cache"
+        " events (BlockStored, BlockRemoved, AllBlocksCleared) for the explorer, and "
+        "reset_prefix_cache drops every key when nothing is held (chapter 05)."
+    ),
     stub=POOL_STUB,
     hint=(
         "An OrderedDict is a queue you can also delete from in the middle: popitem(last=False) "
@@ -494,6 +503,14 @@ ALLOCATE_SLOTS = Exercise(
         "all of them are free; otherwise take nothing and say no. The check compares you with "
         "kvlab's KVCacheManager, then runs a real engine whose pool is too small, so requests "
         "are refused and preempted."
+    ),
+    full_version=(
+        "kvlab's KVCacheManager.allocate_slots (kvlab/kv_cache.py) keeps each request's table "
+        "itself (req_to_blocks) and takes the totals as arguments. On top of this chapter's rule "
+        "it copies a shared block before the step writes into it (copy-on-write, chapter 02), "
+        "starts a table with prefix-cache hits and keys the blocks the step fills (chapter 05), "
+        "and, when the scheduler admits a request, can refuse unless the whole prompt fits now "
+        "(scheduler_reserve_full_isl) or would dip into the watermark (chapter 04)."
     ),
     stub=ALLOCATE_STUB,
     hint=(

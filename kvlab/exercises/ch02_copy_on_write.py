@@ -149,6 +149,14 @@ FORK = Exercise(
         "each. The check looks at the tables and ref counts, then runs n=3 samples on the real "
         "model with your fork."
     ),
+    full_version=(
+        "kvlab's KVCacheManager.fork (kvlab/kv_cache.py) does the same on its own tables and "
+        "counts the peak of blocks held. The group scheduler (kvlab/group_scheduler.py) forks n "
+        "samples after the prompt's prefill and beam candidates at every step (beam search re-"
+        "forks the best beams and frees the rest), and charges each group its seats in "
+        "max_num_seqs. The contiguous baseline cannot share: its fork copies the whole region "
+        "(chapter 01's layout)."
+    ),
     stub=FORK_STUB,
     hint="pool.touch(parent_table) adds a reference to every block; return list(parent_table).",
     solution=fork,
@@ -345,6 +353,15 @@ COPY_ON_WRITE = Exercise(
         "table, the old block's K/V copied into it, one reference less on the old one. Blocks "
         "that are only read stay shared. The check replays chapter 02's scene and random ones, "
         "then runs n=3 samples on the real model with your function."
+    ),
+    full_version=(
+        "In kvlab the copy is part of allocate_slots (kvlab/kv_cache.py): before a step writes "
+        "from num_computed_tokens on, each shared block in that range is swapped for a fresh one "
+        "and the (source, destination) pair queued; the model runner copies those blocks' K/V in "
+        "every layer before the forward (take_pending_copies). vLLM 0.33.0's v1 engine has no "
+        "fork, so nothing to copy: its parallel samples are separate requests that share their "
+        "prompt's full blocks through the prefix cache (vllm/v1/engine/parallel_sampling.py; "
+        "kvlab's parallel_sampling=\"child_requests\", later in this chapter)."
     ),
     stub=COW_STUB,
     hint=(

@@ -270,6 +270,15 @@ EXERCISE = Exercise(
         "while seats, the token budget and free blocks allow. The check compares your decisions "
         "with kvlab's scheduler, then lets yours drive a real engine."
     ),
+    full_version=(
+        "kvlab's Scheduler.schedule (kvlab/scheduler.py) follows vLLM's shape: one token budget "
+        "for prefills and decodes alike, so a prompt can be cut into chunks (chapter 04); waiting"
+        " requests start with their prefix-cache hits (chapter 05); admission can require the "
+        "whole prompt to fit (scheduler_reserve_full_isl, chapter 04); a preempted request goes "
+        "back to the head of the waiting queue as PREEMPTED; forks and beams take seats as a "
+        "group (chapter 02, kvlab/group_scheduler.py). It returns a SchedulerOutput (the step's "
+        "tokens per request and block tables) that the model runner reads."
+    ),
     stub=STUB,
     hint=(
         "Keep three running totals: free blocks, budget, seats. A decode needs "

@@ -161,6 +161,13 @@ EXERCISE = Exercise(
         "over several steps. The check compares you with kvlab's scheduler, then runs the real "
         "model with your split."
     ),
+    full_version=(
+        "In kvlab's Scheduler.schedule (kvlab/scheduler.py) this rule is _num_new_tokens, one "
+        "line, and the rest of the step is around it: each request's share must also get its "
+        "blocks (allocate_slots, or a preemption, chapter 03), a waiting request's need starts "
+        "after its prefix-cache hits (chapter 05), and with enable_chunked_prefill=False a prompt"
+        " that does not fit in what is left waits for a later step instead of being cut."
+    ),
     stub=STUB,
     hint=(
         "Walk running + waiting in order with `left = max_num_batched_tokens`. For each: "

@@ -233,6 +233,13 @@ BLOCK_HASHES = Exercise(
         "prefix up to it. The cache salt goes into block 0's extra keys only. The check compares "
         "your keys with kvlab's, then runs the real engine with prefix caching on your keys."
     ),
+    full_version=(
+        "kvlab computes a request's keys incrementally (extend_block_hashes in "
+        "kvlab/prefix_cache.py): each block is hashed once, when it fills, including the blocks "
+        "its generated tokens fill, so a request that continues a conversation can hit them. The "
+        "hash is sha256 of a canonical encoding by default, like vLLM's prefix_caching_hash_algo,"
+        " and the salt's extra key is chapter 06's subject."
+    ),
     stub=HASH_STUB,
     hint=(
         "Loop over i in range(len(token_ids) // block_size). parent is the previous key (None "
@@ -397,6 +404,13 @@ LONGEST_CACHE_HIT = Exercise(
         "block that holds the request's last token: it is computed, so there are logits to "
         "sample from. The check compares you with kvlab's lookup, then runs the real engine "
         "with prefix caching on your lookup."
+    ),
+    full_version=(
+        "kvlab's KVCacheManager.get_computed_blocks (kvlab/kv_cache.py) does this walk over the "
+        "pool's key map; the scheduler then takes the hits (touch: a free hit leaves the free "
+        "queue), counts the lookup in the prefix-cache metrics, skips the lookup for a request "
+        "that asks for prompt logprobs (they need every prompt token computed), and records the "
+        "hit tokens as the request's num_cached_tokens (the API's cached_tokens, chapter 07)."
     ),
     stub=HIT_STUB,
     hint=(

@@ -181,6 +181,12 @@ EXERCISE = Exercise(
         "feeds your function synthetic TTFTs, then TTFTs measured on the real model with and "
         "without cache_salt."
     ),
+    full_version=(
+        "kvlab's own attacker (kvlab/bench/prefix.py, timing_attack) calibrates the same way, on "
+        "medians of B's own cold and warm requests, and plays it over many documents. The defence"
+        " is not in the attacker's code: a cache_salt per tenant changes block 0's key, so A's "
+        "blocks never match B's lookups (this chapter's next section)."
+    ),
     stub=STUB,
     hint=(
         "Put a threshold between the two calibration clusters and call anything faster "
