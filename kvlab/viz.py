@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.transforms import offset_copy
 
@@ -48,6 +49,27 @@ def _colour(i: int):
     """Twenty distinct colours: tab10's ten (tab20's dark halves), then their light halves, so
     the first ten are tab10's and requests 11-20 do not repeat them (chapter 01 shows 16)."""
     return plt.get_cmap("tab20")((2 * i + (i // 10) % 2) % 20)
+
+
+def plot_no_cache(runs: dict, prompt_len: int):
+    """Milliseconds per generated token, without a KV cache and with one (chapter 00)."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    styles = {"no cache": ("tab:red", "every token recomputes the whole sequence"),
+              "KV cache": ("tab:blue", "every token computes itself only")}
+    for name, run in runs.items():
+        colour, what = styles.get(name, (None, name))
+        ms = [1000 * s for s in run["seconds"]]
+        xs = range(1, len(ms) + 1)
+        # Token 1 is the prefill (the whole prompt) in both runs: drawn as a dot, not the line.
+        ax.plot(list(xs)[1:], ms[1:], color=colour, lw=1.2, label=f"{name}: {what}")
+        ax.plot([1], ms[:1], "o", color=colour, ms=4)
+    ax.set_xlabel(f"generated token (after a {prompt_len}-token prompt; dot: the prefill)")
+    ax.set_ylabel("ms for this token")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 def memory_map(manager, num_tokens: dict[str, int]) -> list[tuple[str | None, int]]:
@@ -775,14 +797,26 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE))
     ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
                       f"{snap.block_size}): {counts}", fontsize=9)
+    # The legend names what is on screen: free and held always, the states of later chapters
+    # (cached, shared, copied, keyed) only once a block is in them, so chapter 01's explorer
+    # does not list chapter 05's.
+    present = {b.state for b in snap.blocks}
     states = [Patch(fc="white", ec="0.75", label="free"),
-              Patch(fc="0.88", ec="0.4", ls=":", hatch="..", label="cached, free (evictable)"),
               Patch(fc=(0.4, 0.4, 0.4, 0.3), ec="0.4", hatch="////",
-                    label="held by a request (solid: K/V written)"),
-              Patch(fc=SHARED_COLOUR, label="shared (xN: ref count)"),
-              Patch(fc="white", ec=COPY_EDGE, lw=2, label="just copied (copy-on-write)")]
-    ax_pool.legend(handles=states, fontsize=6, loc="lower center", bbox_to_anchor=(0.5, 0.0),
-                   ncol=5, frameon=False, handlelength=1.2, borderaxespad=0.1)
+                    label="held by a request (solid: K/V written)")]
+    if CACHED in present:
+        states.append(Patch(fc="0.88", ec="0.4", ls=":", hatch="..",
+                            label="cached, free (evictable)"))
+    if SHARED in present:
+        states.append(Patch(fc=SHARED_COLOUR, label="shared (xN: ref count)"))
+    if any(b.just_copied for b in snap.blocks):
+        states.append(Patch(fc="white", ec=COPY_EDGE, lw=2, label="just copied (copy-on-write)"))
+    handles = list(states)
+    if any(b.key is not None for b in snap.blocks):
+        handles.append(Line2D([], [], marker="o", ls="none", color="black", ms=3,
+                              label="dot: has a prefix-cache key"))
+    ax_pool.legend(handles=handles, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=len(handles), frameon=False, handlelength=1.2, borderaxespad=0.1)
 
     budget, dec, pre = snap.token_budget, snap.num_decode_tokens, snap.num_prefill_tokens
     unused = max(budget - dec - pre, 0)

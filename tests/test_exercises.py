@@ -25,6 +25,16 @@ NAMES = list(exercises.EXERCISES)
 
 
 # ---- other correct implementations, written differently ----------------------------------------
+def alt_decode_attention(q, k_cache, v_cache, seq_len, scale):
+    """Expand the KV heads with an index list, then one matmul per step."""
+    num_heads, num_kv_heads = q.shape[0], k_cache.shape[1]
+    heads = [h * num_kv_heads // num_heads for h in range(num_heads)]
+    k = k_cache[:seq_len][:, heads].transpose(0, 1)  # (Hq, L, D)
+    v = v_cache[:seq_len][:, heads].transpose(0, 1)
+    w = torch.softmax((k @ q[:, :, None])[..., 0] * scale, dim=-1)  # (Hq, L)
+    return (w[:, None, :] @ v)[:, 0, :]
+
+
 def alt_paged_attention(q, kv_layer, block_table, seq_len, scale):
     """One head at a time, one position at a time."""
     num_heads, _ = q.shape
@@ -176,6 +186,7 @@ def alt_timing_attack(ttft, cold_ttfts, warm_ttfts):
 
 
 ALTERNATIVES = {
+    "decode_attention": alt_decode_attention,
     "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
     "allocate_slots": alt_allocate_slots, "fork": alt_fork, "copy_on_write": alt_copy_on_write,
     "schedule": alt_schedule, "chunked_prefill": alt_chunked_prefill,
@@ -382,6 +393,17 @@ def mean_threshold(ttft, cold_ttfts, warm_ttfts):
     return ttft < (statistics.mean(cold_ttfts) + statistics.mean(warm_ttfts)) / 2
 
 
+def decode_gqa_modulo(q, k_cache, v_cache, seq_len, scale):
+    heads = [h % k_cache.shape[1] for h in range(q.shape[0])]  # should be h // group
+    k, v = k_cache[:seq_len][:, heads], v_cache[:seq_len][:, heads]
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", w, v)
+
+
+def decode_whole_region(q, k_cache, v_cache, seq_len, scale):
+    return alt_decode_attention(q, k_cache, v_cache, k_cache.shape[0], scale)
+
+
 def attention_gqa_modulo(q, kv_layer, block_table, seq_len, scale):
     num_heads, num_kv_heads = q.shape[0], kv_layer.shape[3]
     k = kv_layer[0][block_table].flatten(0, 1)[:seq_len]  # (L, Hkv, D)
@@ -412,6 +434,8 @@ BUGS = [
     ("longest_cache_hit", hit_falsy_block_zero, "block 0 is a real block id"),
     ("timing_attack", mean_threshold, "outlier"),
     ("timing_attack", lambda ttft, cold, warm: True, "a clear hit and a clear miss"),
+    ("decode_attention", decode_gqa_modulo, "grouped-query"),
+    ("decode_attention", decode_whole_region, "rows past seq_len"),
     ("paged_attention", attention_gqa_modulo, "grouped-query"),
     ("paged_attention", attention_whole_blocks, "partly filled"),
 ]

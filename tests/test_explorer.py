@@ -4,6 +4,8 @@ cell outputs that its controls redraw in place."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -232,6 +234,26 @@ def handmade_snapshot() -> EngineSnapshot:
                           running=["a", "b"], requests=reqs, token_budget=16,
                           num_decode_tokens=2, num_prefill_tokens=9,
                           colours={"a": 0, "b": 1, "c": 2})
+
+
+def _legend_labels(fig) -> list[str]:
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    plt.close(fig)
+    return labels
+
+
+def test_the_legend_names_only_the_states_on_screen():
+    """Chapter 01's explorer must not list chapter 05's states: a state is in the legend
+    once a block is in it (free and held always)."""
+    snap = handmade_snapshot()
+    everything = _legend_labels(draw_snapshot(snap))
+    assert len(everything) == 6 and "dot: has a prefix-cache key" in everything
+    plain = replace(snap, blocks=[replace(b, ref_cnt=b.ref_cnt and 1, owners=b.owners[:1],
+                                          key=None, just_copied=False)
+                                  for b in snap.blocks])
+    assert {b.state for b in plain.blocks} <= {HELD, FREE}
+    assert _legend_labels(draw_snapshot(plain)) == ["free",
+                                                    "held by a request (solid: K/V written)"]
 
 
 def test_the_picture_is_drawn_from_the_snapshot_alone():

@@ -127,6 +127,24 @@ def test_gpu_check_runs_only_the_parts_named(tmp_path, monkeypatch):
         gpu_check.main(["--out", str(tmp_path / "x"), "--device", "cpu", "--parts", "sped"])
 
 
+def test_gpu_check_skips_the_peers_on_a_cpu_without_psutil(monkeypatch):
+    """transformers 5.17's generate_batch cannot size its cache on a CPU without psutil: the
+    part says so instead of failing on the peer's gap; on CUDA nothing is skipped."""
+    import importlib.util
+
+    gpu_check = load_gpu_check()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "psutil" else real(name, *a))
+    with pytest.raises(gpu_check.Skip, match="psutil"):
+        gpu_check.peers_check("cpu", 2, 1)
+    called = []
+    monkeypatch.setattr("kvlab.bench.peers.compare_peers",
+                        lambda **kw: called.append(kw) or {"ok": True})
+    assert gpu_check.peers_check("cuda", 2, 1) == {"ok": True}
+    assert called == [{"num_requests": 2, "repeats": 1}]
+
+
 def _make_print_python(tmp_path, names: list[str]) -> str:
     """`make print-python` with a PATH holding only these names, each a link to this Python
     (3.11 or newer here), so the Makefile's choice can be seen without installing Pythons."""

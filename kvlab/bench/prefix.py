@@ -112,6 +112,22 @@ def system_prompt_hit_rate(system_len: int = 256, user_len: int = 32, num_reques
             "ideal": round((num_requests - 1) * system_len / (num_requests * (system_len + user_len)), 4)}
 
 
+def calibration_ttfts(num_docs: int = 3, doc_len: int = 512, seed: int = 1,
+                      model: str | None = None) -> dict:
+    """What tenant B can measure before any attack: TTFTs (ms) of documents of its own, each
+    sent twice, cold (first time) then warm (the second, a prefix-cache hit)."""
+    rng = random.Random(seed)
+    llm = LLM(model, max_model_len=doc_len + 32, max_num_batched_tokens=doc_len + 32,
+              enable_prefix_caching=True)
+    ttft(llm, {"prompt_token_ids": random_prompt(rng, doc_len)})  # warm-up
+    cold, warm = [], []
+    for _ in range(num_docs):
+        doc = {"prompt_token_ids": random_prompt(rng, doc_len)}
+        cold.append(round(1000 * ttft(llm, doc)[0], 1))
+        warm.append(round(1000 * ttft(llm, doc)[0], 1))
+    return {"cold_ms": cold, "warm_ms": warm}
+
+
 def timing_attack(trials: int = 20, doc_len: int = 512, salted: bool = False, seed: int = 0,
                   model: str | None = None) -> dict:
     """Tenant B guesses, from TTFT alone, whether tenant A just sent a document.

@@ -13,9 +13,10 @@ reports what passed, the first failing case in words, and a hint. It never raise
 if your code raises, the report shows your traceback.
 
 Exercises, by chapter:
-    00 paged_attention     attention of one decode token, through the block table
+    00 decode_attention    attention of one decode token over its request's KV cache
     01 block_pool          free queue, reference counts, all-or-nothing allocation
     01 allocate_slots      how many blocks a request needs now
+    01 paged_attention     the same attention, through the block table
     02 fork                share the parent's blocks
     02 copy_on_write       copy a shared block before writing into it
     03 schedule            one scheduling step, with preemption
@@ -30,6 +31,7 @@ from __future__ import annotations
 from kvlab.exercises import (
     ch00_attention,
     ch01_block_pool,
+    ch01_paged_attention,
     ch02_copy_on_write,
     ch03_scheduling,
     ch04_chunked_prefill,
@@ -42,8 +44,8 @@ from kvlab.exercises._report import CheckResult
 
 EXERCISES: dict[str, Exercise] = {
     ex.name: ex
-    for module in (ch00_attention, ch01_block_pool, ch02_copy_on_write, ch03_scheduling,
-                   ch04_chunked_prefill, ch05_prefix_caching, ch06_cache_salt)
+    for module in (ch00_attention, ch01_block_pool, ch01_paged_attention, ch02_copy_on_write,
+                   ch03_scheduling, ch04_chunked_prefill, ch05_prefix_caching, ch06_cache_salt)
     for ex in module.EXERCISES
 }
 

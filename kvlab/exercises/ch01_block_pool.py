@@ -80,10 +80,11 @@ POOL_STUB = '''from collections import OrderedDict
 class TinyBlockPool:
     """Block ids 0 .. num_blocks - 1, their reference counts, and a free queue.
 
-    get_new_blocks(n): n block ids from the head of the free queue, each now held once; if fewer
-        than n are free, raise ValueError and take nothing.
+    get_new_blocks(n): n block ids from the head of the free queue, each now held once. If
+        fewer than n are free, raise ValueError; what should the pool hold afterwards? (The
+        scene above this exercise shows what goes wrong otherwise.)
     free_blocks(block_ids): drop one reference each; the blocks now held by nobody go back to
-        the HEAD of the queue, in the order given (the first given is reused first).
+        the HEAD of the queue. In which order? Work it out from the example.
     touch(block_ids): one more reference each; a free block leaves the queue.
     get_num_free_blocks(): how many blocks are free.
     Example: pool = TinyBlockPool(4); pool.get_new_blocks(3) -> [0, 1, 2];
@@ -305,9 +306,10 @@ BLOCK_POOL = Exercise(
     prompt=(
         "Write the block pool: block ids with a reference count each, and a free queue. New "
         "blocks come from the head of the queue, and blocks whose last reference is dropped go "
-        "back to its head, in the order freed (vLLM 0.33.0: a block holding no cached prefix "
-        "is reused first). A request gets every block it asks for, or none. The check replays "
-        "the same operations on your pool and on kvlab's, then runs a real engine on yours."
+        "back to its head (vLLM 0.33.0: a block holding no cached prefix is reused first). Two "
+        "rules are yours to work out: what a request that asks for too many blocks leaves "
+        "behind, and the order in which freed blocks are queued. The check replays the same "
+        "operations on your pool and on kvlab's, then runs a real engine on yours."
     ),
     full_version=(
         "kvlab's BlockPool (kvlab/block_pool.py) hands out KVCacheBlock objects rather than ids, "

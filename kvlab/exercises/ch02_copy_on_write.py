@@ -199,13 +199,18 @@ def copy_on_write(block_table, num_computed_tokens, block_size, pool):
 
 
 COW_STUB = '''def copy_on_write(block_table, num_computed_tokens, block_size, pool):
-    """This step writes the sequence's tokens from position num_computed_tokens on. For each
-    block of block_table it writes into that other tables share (pool.ref_cnt(block_id) > 1):
-    take a fresh block (pool.get_new_blocks(1)), put it in block_table (in place) instead,
-    drop this table's reference to the old one (pool.free_blocks([old])), and record
-    (old, fresh). Return the list of (old, fresh) pairs. Example: block_size 4, block_table
-    [3, 5], both shared, num_computed_tokens 6 -> block 5 (positions 4-7) is replaced by a fresh
-    block f, block_table == [3, f], returns [(5, f)]; block 3 is only read: still shared.
+    """Called before a step writes this sequence's new tokens. Positions 0 ..
+    num_computed_tokens - 1 are already in the cache; the step writes from position
+    num_computed_tokens on, and block_table already covers every position it writes (the last
+    block of the table included). Which blocks does the step write into, then?
+
+    For each of those that other tables share (pool.ref_cnt(block_id) > 1): take a fresh block
+    (pool.get_new_blocks(1)), put it in block_table (in place) instead, drop this table's
+    reference to the old one (pool.free_blocks([old])), and record (old, fresh). Return the
+    list of (old, fresh) pairs: the model runner copies their K/V before the step. Example:
+    block_size 4, block_table [3, 5], both shared, num_computed_tokens 6 -> block 5 (positions
+    4-7) is replaced by a fresh block f, block_table == [3, f], returns [(5, f)]; block 3 is
+    only read: still shared.
     """
     raise NotImplementedError("your turn")
 '''

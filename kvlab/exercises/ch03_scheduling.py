@@ -75,15 +75,19 @@ def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
 STUB = '''def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
                   max_num_batched_tokens):
     """Decide one step. Requests have .request_id, .num_tokens, .num_computed_tokens and
-    .num_blocks (blocks held). running: oldest first; each decodes 1 token and needs a new
-    block when (num_computed_tokens + 1) tokens no longer fit in its num_blocks. If blocks run
-    out, preempt the newest running request (its blocks become free) until the request fits or
-    was itself preempted. Then, only if nobody was preempted, admit waiting requests in order
-    (whole prompt: num_tokens tokens, ceil(num_tokens / block_size) blocks) while the seats
-    (max_num_seqs running), the budget (max_num_batched_tokens tokens this step) and the free
-    blocks allow; stop at the first that does not fit. Return (scheduled, preempted):
-    [(request_id, num_new_tokens), ...] and [request_id, ...] newest first.
-    Example: running [a], waiting [b (5 tokens)], plenty of room -> ([("a", 1), ("b", 5)], []).
+    .num_blocks (blocks held). A scheduled request computes num_tokens - num_computed_tokens
+    new tokens: 1 for a running request (they are all decoding here), the whole prompt for a
+    waiting one (no chunking until chapter 04), and must hold enough blocks for
+    num_computed_tokens + those new tokens. max_num_batched_tokens is the step's token budget:
+    every token scheduled spends it, a decode's too. max_num_seqs: how many may run at once.
+
+    Running requests first, oldest first; if blocks run out, preempt the newest running
+    request (its blocks become free) until the request fits or was itself preempted. Then, only
+    if nobody was preempted, admit waiting requests in order; stop at the first that does not
+    fit. What happens to a running request when the budget is already spent? Return
+    (scheduled, preempted): [(request_id, num_new_tokens), ...] and [request_id, ...] in the
+    order preempted. Example: running [a], waiting [b (5 tokens)], plenty of room ->
+    ([("a", 1), ("b", 5)], []).
     """
     raise NotImplementedError("your turn")
 '''

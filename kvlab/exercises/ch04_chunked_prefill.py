@@ -41,9 +41,10 @@ STUB = '''def split_token_budget(running, waiting, max_num_batched_tokens):
     """How many new tokens each request computes this step, with chunked prefill.
 
     running (decodes, or prompts already being chunked) come first, then waiting, in order.
-    Each request (.request_id, .num_tokens, .num_computed_tokens) takes what it still needs,
-    num_tokens - num_computed_tokens, but no more than what is left of the budget. Return
-    {request_id: num_new_tokens} for the requests that get at least one token.
+    Each request (.request_id, .num_tokens, .num_computed_tokens) still needs num_tokens -
+    num_computed_tokens tokens. How many does it get when the budget has less left than that?
+    (The explorer above shows the long prompt's share of each step.) Return {request_id:
+    num_new_tokens} for the requests that get at least one token.
     Example: budget 10, running [a: 8 of 9 computed], waiting [b: 20 tokens] ->
     {"a": 1, "b": 9}.
     """
@@ -155,11 +156,11 @@ EXERCISE = Exercise(
     chapter="04_chunked_prefill",
     title="Chunked prefill: sharing the token budget",
     prompt=(
-        "Write chunked prefill's rule: a step has a budget of max_num_batched_tokens tokens. "
-        "Hand it out in order, running requests first, then waiting ones; each takes what it "
-        "still needs, but never more than what is left, so a long prompt is cut into chunks "
-        "over several steps. The check compares you with kvlab's scheduler, then runs the real "
-        "model with your split."
+        "Write chunked prefill's rule: a step has a budget of max_num_batched_tokens tokens, "
+        "handed out in order, running requests first, then waiting ones. Work out from the "
+        "explorer above how much a request gets when it needs more than is left, so that a "
+        "long prompt is cut into chunks over several steps. The check compares you with "
+        "kvlab's scheduler, then runs the real model with your split."
     ),
     full_version=(
         "In kvlab's Scheduler.schedule (kvlab/scheduler.py) this rule is _num_new_tokens, one "

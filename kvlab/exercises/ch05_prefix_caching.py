@@ -52,8 +52,9 @@ HASH_STUB = '''from kvlab.prefix_cache import hash_block_tokens
 def block_hashes(token_ids, block_size, cache_salt=None):
     """One key per full block of token_ids (a partly filled last block gets none):
     key i = hash_block_tokens(parent, tokens of block i, extra_keys), where parent is key i - 1
-    (None for block 0), and extra_keys is (("cache_salt", cache_salt),) for block 0 when a salt
-    is given, else (). Example: block_hashes([5, 6, 7, 8, 9], 2) -> [k0, k1] with
+    (None for block 0) and extra_keys is () without a salt. A cache_salt must change every key;
+    it goes in as extra_keys (("cache_salt", cache_salt),), in as few blocks as that takes.
+    Which blocks are those? Example: block_hashes([5, 6, 7, 8, 9], 2) -> [k0, k1] with
     k0 = hash_block_tokens(None, [5, 6], ()) and k1 = hash_block_tokens(k0, [7, 8], ()).
     """
     raise NotImplementedError("your turn")
@@ -230,8 +231,9 @@ BLOCK_HASHES = Exercise(
     prompt=(
         "Write the keys prefix caching files blocks under: one per full block, each hashing its "
         "parent's key, its own tokens and its extra keys, so that a key stands for the whole "
-        "prefix up to it. The cache salt goes into block 0's extra keys only. The check compares "
-        "your keys with kvlab's, then runs the real engine with prefix caching on your keys."
+        "prefix up to it. A cache salt must change every key of the request, and goes into as "
+        "few blocks' extra keys as that takes: decide which. The check compares your keys with "
+        "kvlab's, then runs the real engine with prefix caching on your keys."
     ),
     full_version=(
         "kvlab computes a request's keys incrementally (extend_block_hashes in "
@@ -400,9 +402,9 @@ LONGEST_CACHE_HIT = Exercise(
     title="The longest cache hit",
     prompt=(
         "Write the prefix-cache lookup. Walk the request's block keys from the first, collect "
-        "the cached block of each, and stop at the first key that is not cached. Never take the "
-        "block that holds the request's last token: it is computed, so there are logits to "
-        "sample from. The check compares you with kvlab's lookup, then runs the real engine "
+        "the cached block of each, and decide where to stop: at a key that is not cached, and "
+        "before any block the request must compute itself (its last token gives the logits to "
+        "sample from). The check compares you with kvlab's lookup, then runs the real engine "
         "with prefix caching on your lookup."
     ),
     full_version=(

@@ -1,0 +1,115 @@
+"""The build track as the committed notebooks show it: every exercise is its stub, its check and
+its comparison, in that order; no kvlab source is on screen before the participant asks for it;
+the terms the chapters use are defined in bold where they first appear and gathered in the
+glossary the chapters link to."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlab import exercises
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+BUILD_CHAPTERS = sorted(NOTEBOOKS.glob("0[0-6]_*.ipynb"))
+ALL_CHAPTERS = sorted(NOTEBOOKS.glob("0[0-9]_*.ipynb"))
+# A line of Python source: what kvlab.show or exercises.solution print.
+SOURCE_LINE = re.compile(r"^\s*(def|class) \w+.*[:(]", re.MULTILINE)
+
+
+def cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def text(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def visible_output(cell: dict) -> str:
+    """What a reader sees under a code cell when the notebook opens (folded outputs: nothing)."""
+    if cell.get("metadata", {}).get("jupyter", {}).get("outputs_hidden"):
+        return ""
+    parts = []
+    for out in cell.get("outputs", []):
+        if "text" in out:
+            parts.append("".join(out["text"]))
+        for kind in ("text/plain", "text/html", "text/markdown"):
+            if kind in out.get("data", {}):
+                parts.append("".join(out["data"][kind]))
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("name", list(exercises.EXERCISES))
+def test_each_exercise_is_its_stub_then_its_check_then_its_comparison(name):
+    ex = exercises.EXERCISES[name]
+    nb = cells(NOTEBOOKS / f"{ex.chapter}.ipynb")
+    stubs = [i for i, c in enumerate(nb) if c["cell_type"] == "code"
+             and text(c).strip() == ex.stub.strip()]
+    assert len(stubs) == 1, f"{name}: its stub is not one cell of {ex.chapter}"
+    i = stubs[0]
+    assert f"### Your turn: {ex.title}" in text(nb[i - 1])
+    assert ex.prompt in text(nb[i - 1])
+    assert f'exercises.check("{name}", {ex.entry_point})' in text(nb[i + 1])
+    assert f'exercises.compare("{name}", {ex.entry_point})' in text(nb[i + 2])
+    for cell in nb[i - 1:i + 3]:
+        assert "exercises.solution(" not in text(cell) or cell["cell_type"] == "markdown"
+
+
+@pytest.mark.parametrize("path", BUILD_CHAPTERS, ids=lambda p: p.stem)
+def test_committed_chapters_show_no_kvlab_source_before_it_is_asked_for(path):
+    """No visible output of chapters 00-06 prints a function or class (kvlab.show, a
+    solution, a comparison's answer); a folded output may, since opening it is asking."""
+    for i, cell in enumerate(cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        shown = visible_output(cell)
+        assert not SOURCE_LINE.search(shown), (
+            f"{path.stem} cell {i} shows source:\n{SOURCE_LINE.search(shown).group(0)}")
+        if "kvlab.show(" in text(cell) or "exercises.solution(" in text(cell):
+            assert cell["metadata"].get("jupyter", {}).get("outputs_hidden"), (
+                f"{path.stem} cell {i} prints kvlab's source unfolded")
+
+
+def test_a_folded_cell_really_holds_source_so_the_check_above_can_fail():
+    """Chapter 00's forward pass is printed folded: the output is there, only hidden."""
+    nb = cells(NOTEBOOKS / "00_the_model_and_its_kv_cache.ipynb")
+    folded = [c for c in nb if c["cell_type"] == "code"
+              and c["metadata"].get("jupyter", {}).get("outputs_hidden")]
+    assert folded
+    shown = "".join("".join(o.get("text", "")) for o in folded[0]["outputs"])
+    assert SOURCE_LINE.search(shown)
+
+
+def glossary() -> list[tuple[str, str]]:
+    """(term, first chapter) rows of notebooks/GLOSSARY.md."""
+    rows = []
+    for line in (NOTEBOOKS / "GLOSSARY.md").read_text().splitlines():
+        m = re.match(r"\| <a id=\"[\w-]+\"></a>\*\*(.+?)\*\* \| .+ \| (\d\d)", line)
+        if m:
+            rows.append((m.group(1), m.group(2)))
+    return rows
+
+
+def test_every_chapter_links_the_glossary():
+    assert len(glossary()) >= 30
+    for path in ALL_CHAPTERS:
+        assert "](GLOSSARY.md)" in text(cells(path)[0]), f"{path.stem}: no glossary link"
+
+
+@pytest.mark.parametrize("term, chapter", glossary())
+def test_each_glossary_term_is_defined_in_bold_in_its_first_chapter(term, chapter):
+    path = next(p for p in ALL_CHAPTERS if p.stem.startswith(chapter))
+    markdown = "\n".join(text(c) for c in cells(path) if c["cell_type"] == "markdown")
+    bold = {" ".join(m.lower().split()) for m in re.findall(r"\*\*(.+?)\*\*", markdown, re.DOTALL)}
+    # The glossary's "internal / external fragmentation" is two bold phrases in the chapter.
+    wanted = [t.strip() for t in re.split(r" / ", term.lower())]
+    if len(wanted) == 2 and " " in wanted[1]:
+        wanted[0] = wanted[0] + " " + wanted[1].split(" ", 1)[1]
+    for w in wanted:
+        stem = w.split(" (")[0]
+        assert any(b.startswith(stem) or b.rstrip("s") == stem or stem in b for b in bold), (
+            f"{term!r} is not in bold in chapter {chapter} ({path.stem})")
