@@ -109,6 +109,34 @@ def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab):
     assert pictures == 1  # redrawn in place, not a second picture
 
 
+def test_chapter_00_opens_with_kvlab_source_folded_until_clicked(jupyterlab):
+    """The committed chapter 00 shows its forward pass folded (`jupyter.outputs_hidden`): in
+    the browser the cell shows a placeholder, not the code, until the reader clicks it."""
+    from playwright.sync_api import sync_playwright
+
+    base, token = jupyterlab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{base}/lab/tree/00_the_model_and_its_kv_cache.ipynb?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            cell = page.locator(".jp-CodeCell").filter(
+                has_text="kvlab.show(kvlab.model.Transformer.forward)").first
+            cell.scroll_into_view_if_needed()
+            placeholder = cell.locator(".jp-OutputPlaceholder")
+            placeholder.wait_for(state="visible", timeout=60_000)
+            assert "def forward" not in cell.inner_text()
+            placeholder.click()
+            cell.locator("text=def forward").first.wait_for(state="visible", timeout=30_000)
+        except Exception:
+            SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT_DIR / "notebook00_folded_failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
 # A two-cell notebook: the explorer over a small engine holding two requests, then a cell that
 # prints the engine's queues straight from its scheduler (not through the explorer).
 EXPLORER_CELLS = [
