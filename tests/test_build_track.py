@@ -51,7 +51,8 @@ def test_each_exercise_is_its_stub_then_its_check_then_its_comparison(name):
              and text(c).strip() == ex.stub.strip()]
     assert len(stubs) == 1, f"{name}: its stub is not one cell of {ex.chapter}"
     i = stubs[0]
-    assert f"### Your turn: {ex.title}" in text(nb[i - 1])
+    heading = f"### Challenge: {ex.title}" if ex.kind == "challenge" else f"### Your turn: {ex.title}"
+    assert heading in text(nb[i - 1])
     assert ex.prompt in text(nb[i - 1])
     assert f'exercises.check("{name}", {ex.entry_point})' in text(nb[i + 1])
     assert f'exercises.compare("{name}", {ex.entry_point})' in text(nb[i + 2])
@@ -72,6 +73,12 @@ def test_committed_chapters_show_no_kvlab_source_before_it_is_asked_for(path):
         if "kvlab.show(" in text(cell) or "exercises.solution(" in text(cell):
             assert cell["metadata"].get("jupyter", {}).get("outputs_hidden"), (
                 f"{path.stem} cell {i} prints kvlab's source unfolded")
+
+
+def test_chapters_01_to_06_hold_challenges_and_every_exercise_has_a_kind():
+    kinds = {ex.kind for ex in exercises.EXERCISES.values()}
+    assert kinds == {"build", "challenge"}
+    assert {ex.chapter[:2] for ex in exercises.EXERCISES.values() if ex.kind == "challenge"}
 
 
 def test_a_folded_cell_really_holds_source_so_the_check_above_can_fail():

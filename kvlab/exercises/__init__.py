@@ -24,11 +24,16 @@ Exercises, by chapter:
     05 block_hashes        the block hash chain, salt in block 0
     05 longest_cache_hit   whole blocks, stop at the first miss, never the last token
     06 timing_attack       read a cache hit off the clock
+
+Challenges (kind "challenge": a decision, measured on the real model against the best one):
+    03 max_num_seqs        the concurrency limit for a KV budget
+    05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
 """
 
 from __future__ import annotations
 
 from kvlab.exercises import (
+    challenges,
     ch00_attention,
     ch01_block_pool,
     ch01_paged_attention,
@@ -44,9 +49,12 @@ from kvlab.exercises._report import CheckResult
 
 EXERCISES: dict[str, Exercise] = {
     ex.name: ex
-    for module in (ch00_attention, ch01_block_pool, ch01_paged_attention, ch02_copy_on_write,
-                   ch03_scheduling, ch04_chunked_prefill, ch05_prefix_caching, ch06_cache_salt)
-    for ex in module.EXERCISES
+    for group in (ch00_attention.EXERCISES, ch01_block_pool.EXERCISES,
+                  ch01_paged_attention.EXERCISES, ch02_copy_on_write.EXERCISES,
+                  ch03_scheduling.EXERCISES, challenges.EXERCISES_03,
+                  ch04_chunked_prefill.EXERCISES, ch05_prefix_caching.EXERCISES,
+                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES)
+    for ex in group
 }
 
 

@@ -48,6 +48,7 @@ class CheckResult:
     failed: Failure | None = None
     not_done: bool = False
     skipped: list[str] = field(default_factory=list)  # "case (why)": not run, or could not judge
+    notes: dict[str, str] = field(default_factory=dict)  # case -> what a passed case measured
     hint: str = ""
     seconds: float = 0.0
 
@@ -66,7 +67,10 @@ class CheckResult:
         else:
             lines.append(f"✘ {self.name} ({self.title}): {len(self.passed)} checks passed, "
                          "then one failed.")
-        lines += [f"  ✔ {name}" for name in self.passed]
+        for name in self.passed:
+            lines.append(f"  ✔ {name}")
+            if name in self.notes:
+                lines += [f"      {line}" for line in self.notes[name].splitlines()]
         f = self.failed
         if f is not None:
             lines.append(f"  ✘ {f.case}")
@@ -148,11 +152,13 @@ def unwrap(exc: BaseException) -> BaseException:
 def run_case(case, impl, *, fast_timeout_s: float = FAST_TIMEOUT_S,
              real_timeout_s: float = REAL_TIMEOUT_S) -> tuple[str, Failure | None]:
     """One case on the participant's code: ("passed", None), ("failed", Failure),
-    ("not_done", None) for NotImplementedError, or ("skipped", Failure whose detail says why)."""
+    ("not_done", None) for NotImplementedError, or ("skipped", Failure whose detail says why).
+    A case that returns a string (a challenge's measurement) passes with it as the Failure
+    record's detail, so the report can print what was measured."""
     limit = case.timeout_s or (real_timeout_s if case.real_model else fast_timeout_s)
     try:
         with time_limit(limit):
-            case.run(impl)
+            note = case.run(impl)
     except KeyboardInterrupt:
         raise
     except BaseException as raw:  # noqa: BLE001 - nothing the participant does may escape
@@ -169,7 +175,7 @@ def run_case(case, impl, *, fast_timeout_s: float = FAST_TIMEOUT_S,
                                      traceback=their_traceback(exc), hint=case.hint)
         return "failed", Failure(case.name, "", f"your code raised {type(exc).__name__}",
                                  traceback=their_traceback(exc), hint=case.hint)
-    return "passed", None
+    return "passed", (Failure(case.name, detail=note) if isinstance(note, str) else None)
 
 
 def run_check(ex: Exercise, impl, *, real_model: bool = True,
@@ -200,5 +206,7 @@ def run_check(ex: Exercise, impl, *, real_model: bool = True,
             result.failed = failure
             break
         result.passed.append(case.name)
+        if failure is not None:
+            result.notes[case.name] = failure.detail
     result.seconds = time.perf_counter() - start
     return result

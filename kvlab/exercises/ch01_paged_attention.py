@@ -54,10 +54,11 @@ def paged_decode_attention(q, kv_layer, block_table, seq_len, scale):
     """Attention output of one decode token: q (num_heads, head_dim) -> (num_heads, head_dim).
 
     kv_layer: (2, num_blocks, block_size, num_kv_heads, head_dim), keys at [0], values at [1].
-    Token p of the sequence sits in block block_table[p // block_size], slot p % block_size.
-    Example: block_size 4, block_table [7, 2], seq_len 6 -> keys from block 7 slots 0-3, then
-    block 2 slots 0-1; what is in block 2's slots 2-3? The heads are grouped as in chapter
-    00's exercise; the attention itself is that exercise's.
+    block_table: a list of block ids. Token p of the sequence sits in block
+    block_table[p // block_size], slot p % block_size. Example: block_size 4, block_table
+    [7, 2], seq_len 6 -> keys from block 7 slots 0-3, then block 2 slots 0-1; what is in block
+    2's slots 2-3? The heads are grouped as in chapter 00's exercise; the attention itself is
+    that exercise's.
     """
     raise NotImplementedError("your turn")
 '''

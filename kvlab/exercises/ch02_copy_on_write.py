@@ -201,8 +201,8 @@ def copy_on_write(block_table, num_computed_tokens, block_size, pool):
 COW_STUB = '''def copy_on_write(block_table, num_computed_tokens, block_size, pool):
     """Called before a step writes this sequence's new tokens. Positions 0 ..
     num_computed_tokens - 1 are already in the cache; the step writes from position
-    num_computed_tokens on, and block_table already covers every position it writes (the last
-    block of the table included). Which blocks does the step write into, then?
+    num_computed_tokens up to the end of block_table (the table was grown to cover the step's
+    tokens, so its last block is written too). Which blocks does it write into, then?
 
     For each of those that other tables share (pool.ref_cnt(block_id) > 1): take a fresh block
     (pool.get_new_blocks(1)), put it in block_table (in place) instead, drop this table's

@@ -79,12 +79,14 @@ STUB = '''def schedule_step(running, waiting, num_free_blocks, block_size, max_n
     new tokens: 1 for a running request (they are all decoding here), the whole prompt for a
     waiting one (no chunking until chapter 04), and must hold enough blocks for
     num_computed_tokens + those new tokens. max_num_batched_tokens is the step's token budget:
-    every token scheduled spends it, a decode's too. max_num_seqs: how many may run at once.
+    every token scheduled spends it, a decode's too. max_num_seqs: how many may be running
+    after the step (a running request the budget leaves out this step keeps its seat).
 
-    Running requests first, oldest first; if blocks run out, preempt the newest running
-    request (its blocks become free) until the request fits or was itself preempted. Then, only
-    if nobody was preempted, admit waiting requests in order; stop at the first that does not
-    fit. What happens to a running request when the budget is already spent? Return
+    running is oldest first (its last element is the newest); waiting in arrival order.
+    Running requests first; if blocks run out, preempt the newest running request (its blocks
+    become free) until the request fits or was itself preempted. Then, only if nobody was
+    preempted, admit waiting requests in order; stop at the first that does not fit. What
+    happens to a running request when the budget is already spent? Return
     (scheduled, preempted): [(request_id, num_new_tokens), ...] and [request_id, ...] in the
     order preempted. Example: running [a], waiting [b (5 tokens)], plenty of room ->
     ([("a", 1), ("b", 5)], []).

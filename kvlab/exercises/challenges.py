@@ -1,0 +1,271 @@
+"""Challenges: the participant makes a decision, and the check measures it on the real model.
+
+An exercise of `kind == "challenge"` asks for a choice, not a mechanism: a setting, or a small
+function that returns one. Its check runs the participant's choice and kvlab's reference choice
+side by side on the real model, in one run, and says how close the participant came to the best
+and why. A do-nothing answer (the stub) is "not done yet"; a choice that breaks the workload
+fails with what it cost.
+
+    03 max_num_seqs   the concurrency limit that keeps a burst unpreempted at full speed
+    05 rag_layout     the order of a RAG prompt's parts that the prefix cache reuses most
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvlab.exercises import _engine
+from kvlab.exercises._common import Case, Exercise, Mismatch
+from kvlab.sampling import RequestOutputKind, SamplingParams
+
+# ---- 03: max_num_seqs for a KV budget ------------------------------------------------------------
+BURST = dict(num_requests=16, prompt_len=24, output_len=8)
+POOL = dict(kv_cache_tokens=256, block_size=16, max_model_len=64)
+
+
+def choose_max_num_seqs(kv_cache_tokens, block_size, prompt_len, output_len):
+    """The largest number of requests whose whole KV fits in the pool at once."""
+    # A request ends holding prompt + output tokens, in whole blocks; the pool holds
+    # kv_cache_tokens // block_size blocks. Past that many running requests, someone must be
+    # preempted before it finishes ([KV-Anatomy]: concurrency near KV tokens / request length).
+    blocks_per_request = -(-(prompt_len + output_len) // block_size)
+    return max(1, (kv_cache_tokens // block_size) // blocks_per_request)
+
+
+MAX_NUM_SEQS_STUB = '''def choose_max_num_seqs(kv_cache_tokens, block_size, prompt_len, output_len):
+    """Return max_num_seqs (an int >= 1) for a burst of requests, each a prompt_len-token prompt
+    and output_len new tokens, in a pool of kv_cache_tokens tokens (blocks of block_size). The
+    check runs 16 such requests at once: nothing may be preempted, and the throughput must be
+    within 20% of the best choice's, measured side by side."""
+    raise NotImplementedError("your turn")
+'''
+
+
+def _burst_run(max_num_seqs: int) -> dict:
+    """The burst through a fresh engine: tokens/s (wall), preemptions, peak running."""
+    from kvlab.engine import LLM
+
+    prompts = _engine.prompt_ids([BURST["prompt_len"]] * BURST["num_requests"])
+    sp = SamplingParams(max_tokens=BURST["output_len"], temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    with _engine.one_thread():
+        llm = LLM(**POOL, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=BURST["prompt_len"] * BURST["num_requests"])
+        llm.generate({"prompt_token_ids": prompts[0]}, sp)  # warm-up
+        first = llm.llm_engine.num_steps
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        seconds = time.perf_counter() - t0
+    trace = [r for r in llm.llm_engine.step_trace if r.step > first]
+    return {"tok_s": BURST["num_requests"] * BURST["output_len"] / seconds,
+            "preemptions": llm.stats()["num_preemptions"],
+            "peak_running": max(r.num_running for r in trace),
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def _choice(impl, **workload) -> int:
+    value = impl(**workload)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise Mismatch("an int >= 1", repr(value))
+    return value
+
+
+def _max_num_seqs_arithmetic(impl) -> None:
+    """Other pools and lengths (so that a constant cannot pass): no more running requests than
+    the pool holds to the end, and no fewer than 80% of them."""
+    for kv, bs, p, o in [(1024, 16, 48, 16), (2048, 16, 100, 30), (512, 8, 30, 11),
+                         (4096, 32, 500, 12)]:
+        got = _choice(impl, kv_cache_tokens=kv, block_size=bs, prompt_len=p, output_len=o)
+        best = choose_max_num_seqs(kv, bs, p, o)
+        if not 0.8 * best <= got <= best:
+            raise Mismatch(f"between {-(-8 * best // 10)} and {best} for a {kv}-token pool, "
+                           f"blocks of {bs}, requests of {p} + {o} tokens",
+                           f"{got}: " + ("some would be preempted before they finish"
+                                         if got > best else "KV room left for more requests"))
+
+
+def _max_num_seqs_measured(impl) -> None:
+    chosen = _choice(impl, kv_cache_tokens=POOL["kv_cache_tokens"],
+                     block_size=POOL["block_size"], prompt_len=BURST["prompt_len"],
+                     output_len=BURST["output_len"])
+    best = choose_max_num_seqs(POOL["kv_cache_tokens"], POOL["block_size"],
+                               BURST["prompt_len"], BURST["output_len"])
+    ref = _burst_run(best)
+    # The same choice as the best is the same run; another is timed beside it and, if it looks
+    # slow, both once more, keeping each one's faster run (a busy core only adds time).
+    mine = ref if chosen == best else _burst_run(chosen)
+    if chosen != best and mine["tok_s"] < 0.8 * ref["tok_s"] and mine["preemptions"] == 0:
+        again_ref, again_mine = _burst_run(best), _burst_run(chosen)
+        ref["tok_s"] = max(ref["tok_s"], again_ref["tok_s"])
+        mine["tok_s"] = max(mine["tok_s"], again_mine["tok_s"])
+    if mine["tokens"] != ref["tokens"]:
+        raise Mismatch("the same tokens as the best choice's run", "different tokens")
+    verdict = (f"yours (max_num_seqs={chosen}): {mine['tok_s']:.1f} tok/s, "
+               f"{mine['preemptions']} preemptions, {mine['peak_running']} running at most; "
+               f"best ({best}): {ref['tok_s']:.1f} tok/s, {ref['preemptions']} preemptions")
+    if mine["preemptions"] > 0:
+        raise Mismatch("no preemption", verdict, "more running requests than the pool holds "
+                       "to the end: each preempted one is recomputed, work that yields no token")
+    if mine["tok_s"] < 0.8 * ref["tok_s"]:
+        raise Mismatch("throughput within 20% of the best choice's", verdict,
+                       "seats left empty while the pool still had room: a smaller batch per "
+                       "step, the same weights read for fewer tokens")
+    return (f"{verdict} (one run each, side by side, on a shared CPU: compare them, not the "
+            f"absolute tok/s); {mine['tok_s'] / ref['tok_s']:.0%} of the best's throughput")
+
+
+MAX_NUM_SEQS = Exercise(
+    name="max_num_seqs",
+    chapter="03_continuous_batching",
+    title="max_num_seqs for a KV budget",
+    kind="challenge",
+    prompt=(
+        "Choose the concurrency limit for a burst of equal requests in a small pool. Too high "
+        "and running requests are preempted and recomputed; too low and seats sit empty while "
+        "the pool has room. The check measures your choice and the best one side by side on "
+        "the real model: preemptions, and throughput within 20%."
+    ),
+    full_version=(
+        "A real burst rarely has one length, and the output length is not known in advance: "
+        "[KV-Anatomy] sets the limit near KV tokens / mean request length, and a server keeps "
+        "some preemption (chapter 03) rather than reserve every request's longest output. "
+        "kvlab and vLLM also refuse to admit a prompt whose whole length does not fit "
+        "(scheduler_reserve_full_isl, chapter 04)."
+    ),
+    stub=MAX_NUM_SEQS_STUB,
+    hint=(
+        "A request ends holding prompt_len + output_len tokens, in whole blocks: "
+        "ceil((prompt_len + output_len) / block_size). How many such requests fit in "
+        "kv_cache_tokens // block_size blocks?"
+    ),
+    solution=choose_max_num_seqs,
+    cases=[
+        Case("four other pools and request lengths, by the arithmetic", _max_num_seqs_arithmetic,
+             "Count blocks, not tokens: a request's last block is whole even when half full."),
+        Case("real model: 16 requests of 24 + 8 tokens in a 256-token pool, yours beside the "
+             "best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above.",
+             real_model=True, timeout_s=600),
+    ],
+)
+
+
+# ---- 05: the layout of a RAG prompt ---------------------------------------------------------------
+def rag_prompt(system, document, question):
+    """The prompt's token ids: what every request shares first, what varies last."""
+    # The prefix cache matches from the first token and stops at the first block that differs:
+    # the system prompt (shared by every request), then the document (shared by the questions
+    # about it), then the question (each request's own).
+    return list(system) + list(document) + list(question)
+
+
+RAG_STUB = '''def rag_prompt(system, document, question):
+    """Return one request's prompt, a list of token ids, made of the three parts (each a list
+    of token ids): every token of each, once, in the order you choose. The check sends
+    questions about documents under one system prompt to an engine with prefix caching and
+    counts the prompt tokens served from the cache."""
+    raise NotImplementedError("your turn")
+'''
+
+
+SYSTEM_TEXT = ("You are a careful assistant for a library. Answer from the document below, "
+               "quote it where you can, and say so when the document does not say.")
+DOCUMENTS = (
+    "The city library opens at nine on weekdays and at ten on Saturdays. It is closed on "
+    "Sundays and public holidays. Members may borrow up to twelve books for three weeks, and "
+    "renew each loan twice online unless another member has reserved the book. Late returns "
+    "cost twenty cents a day per book, capped at the price of the book.",
+    "The reading room on the second floor is reserved for quiet study. Laptops are welcome, "
+    "phone calls are not. Lockers near the entrance take a one euro coin, returned when the "
+    "locker is opened again. Group study rooms can be booked for two hours at a time, up to a "
+    "week ahead, at the front desk or on the library's website.",
+)
+QUESTIONS = ("When does it open on Saturday?", "How long is a loan?", "What does a locker cost?")
+
+
+def _rag_parts():
+    from kvlab.model import load_model
+
+    tok = load_model().tokenizer
+    encode = lambda text: tok(text).input_ids  # noqa: E731
+    return encode(SYSTEM_TEXT), [encode(d) for d in DOCUMENTS], [encode(q) for q in QUESTIONS]
+
+
+def _rag_prompts(impl) -> list[list[int]]:
+    system, docs, questions = _rag_parts()
+    prompts = []
+    for d in docs:
+        for q in questions:
+            p = impl(list(system), list(d), list(q))
+            if not isinstance(p, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise Mismatch("a list of token ids", repr(p)[:80])
+            if sorted(p) != sorted(system + d + q):
+                raise Mismatch("every token of the system prompt, the document and the question, "
+                               "each once", f"{len(p)} tokens, not the three parts' "
+                               f"{len(system) + len(d) + len(q)}")
+            prompts.append(list(p))
+    return prompts
+
+
+def _rag_parts_kept(impl) -> None:
+    _rag_prompts(impl)
+
+
+def _rag_cached(prompts: list[list[int]]) -> tuple[int, int]:
+    """Cached prompt tokens and prompt tokens in all, requests sent one after another."""
+    from kvlab.engine import LLM
+
+    sp = SamplingParams(max_tokens=1, temperature=0,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    with _engine.one_thread():
+        llm = LLM(block_size=16, kv_cache_tokens=4096, max_model_len=512,
+                  enable_prefix_caching=True)
+        cached = sum(llm.generate({"prompt_token_ids": p}, sp)[0].num_cached_tokens
+                     for p in prompts)
+    return cached, sum(len(p) for p in prompts)
+
+
+def _rag_measured(impl) -> None:
+    mine, total = _rag_cached(_rag_prompts(impl))
+    best, _ = _rag_cached(_rag_prompts(rag_prompt))
+    verdict = (f"{mine:,} of {total:,} prompt tokens from the cache ({mine / total:.0%}); the "
+               f"best layout: {best:,} ({best / total:.0%})")
+    if mine < best:
+        raise Mismatch("as many cached tokens as the best layout", verdict,
+                       "the cache matches from the first token and stops at the first block "
+                       "that differs: whatever varies between requests ends the reuse there")
+    return verdict + ": the shared parts first, the question last"
+
+
+RAG_LAYOUT = Exercise(
+    name="rag_layout",
+    chapter="05_prefix_caching",
+    title="the layout of a RAG prompt",
+    kind="challenge",
+    prompt=(
+        "A RAG service sends each question with a system prompt and the document it is about. "
+        "Choose the order of the three parts in the prompt so that the prefix cache serves the "
+        "most prompt tokens. The check sends three questions about each of two documents, with "
+        "your layout and the best one, and counts the cached tokens of each."
+    ),
+    full_version=(
+        "In a real service the parts also carry chat-template tokens, and anything that varies "
+        "early (a timestamp in the system prompt, documents retrieved in another order) ends "
+        "the match at its block. Only requests with the same cache_salt share (chapter 06)."
+    ),
+    stub=RAG_STUB,
+    hint=(
+        "The cache matches from the first token and stops at the first block that differs. "
+        "Which part is the same in every request, which in some, which in one?"
+    ),
+    solution=rag_prompt,
+    cases=[
+        Case("every token of the three parts, once", _rag_parts_kept,
+             "Concatenate the three lists; do not drop or repeat a part."),
+        Case("real model: cached prompt tokens, yours against the best layout", _rag_measured,
+             "Put first what every request shares.", real_model=True, timeout_s=300),
+    ],
+)
+
+EXERCISES_03 = [MAX_NUM_SEQS]
+EXERCISES_05 = [RAG_LAYOUT]
