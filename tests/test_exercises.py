@@ -451,9 +451,9 @@ BUGS = [
     ("decode_attention", decode_gqa_modulo, "grouped-query"),
     ("decode_attention", decode_whole_region, "rows past seq_len"),
     ("max_num_seqs", lambda kv_cache_tokens, block_size, prompt_len, output_len: 256,
-     "four other pools"),
+     "five other pools"),
     ("max_num_seqs", lambda kv_cache_tokens, block_size, prompt_len, output_len:
-     kv_cache_tokens // (prompt_len + output_len), "four other pools"),  # tokens, not blocks
+     kv_cache_tokens // (prompt_len + output_len), "five other pools"),  # tokens, not blocks
     ("rag_layout", lambda system, document, question: question + document + system,
      "cached prompt tokens"),
     ("rag_layout", lambda system, document, question: system + question + document,

@@ -72,9 +72,10 @@ def _choice(impl, **workload) -> int:
 
 def _max_num_seqs_arithmetic(impl) -> None:
     """Other pools and lengths (so that a constant cannot pass): no more running requests than
-    the pool holds to the end, and no fewer than 80% of them."""
+    the pool holds to the end, no fewer than 80% of them, and never below one."""
+    # The last pool holds less than one whole request: still one seat (it runs, preempted).
     for kv, bs, p, o in [(1024, 16, 48, 16), (2048, 16, 100, 30), (512, 8, 30, 11),
-                         (4096, 32, 500, 12)]:
+                         (4096, 32, 500, 12), (128, 16, 100, 60)]:
         got = _choice(impl, kv_cache_tokens=kv, block_size=bs, prompt_len=p, output_len=o)
         best = choose_max_num_seqs(kv, bs, p, o)
         if not 0.8 * best <= got <= best:
@@ -140,7 +141,7 @@ MAX_NUM_SEQS = Exercise(
     ),
     solution=choose_max_num_seqs,
     cases=[
-        Case("four other pools and request lengths, by the arithmetic", _max_num_seqs_arithmetic,
+        Case("five other pools and request lengths, by the arithmetic", _max_num_seqs_arithmetic,
              "Count blocks, not tokens: a request's last block is whole even when half full."),
         Case("real model: 16 requests of 24 + 8 tokens in a 256-token pool, yours beside the "
              "best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above.",
