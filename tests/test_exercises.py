@@ -194,6 +194,14 @@ def alt_max_num_seqs(kv_cache_tokens, block_size, prompt_len, output_len):
     return max(n, 1)
 
 
+def alt_cache_salt_for(tenant, requested_salt):
+    """A keyed hash of the tenant alone, the requested salt ignored."""
+    import hashlib
+    import hmac
+
+    return hmac.new(b"server secret", tenant.encode(), hashlib.sha256).hexdigest()
+
+
 def alt_rag_prompt(system, document, question):
     return [*system, *document, *question]
 
@@ -206,6 +214,7 @@ ALTERNATIVES = {
     "block_hashes": alt_block_hashes, "longest_cache_hit": alt_longest_cache_hit,
     "timing_attack": alt_timing_attack,
     "max_num_seqs": alt_max_num_seqs, "rag_layout": alt_rag_prompt,
+    "salt_scheme": alt_cache_salt_for,
 }
 
 
@@ -459,6 +468,9 @@ BUGS = [
     ("rag_layout", lambda system, document, question: system + question + document,
      "cached prompt tokens"),
     ("rag_layout", lambda system, document, question: system + question, "every token"),
+    ("salt_scheme", lambda tenant, requested_salt: requested_salt or tenant, "stolen"),
+    ("salt_scheme", lambda tenant, requested_salt: "shared", "stolen"),
+    ("salt_scheme", lambda tenant, requested_salt: "", "non-empty str"),
     ("paged_attention", attention_gqa_modulo, "grouped-query"),
     ("paged_attention", attention_whole_blocks, "partly filled"),
 ]

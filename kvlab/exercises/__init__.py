@@ -28,6 +28,7 @@ Exercises, by chapter:
 Challenges (kind "challenge": a decision, measured on the real model against the best one):
     03 max_num_seqs        the concurrency limit for a KV budget
     05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
+    06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ EXERCISES: dict[str, Exercise] = {
                   ch01_paged_attention.EXERCISES, ch02_copy_on_write.EXERCISES,
                   ch03_scheduling.EXERCISES, challenges.EXERCISES_03,
                   ch04_chunked_prefill.EXERCISES, ch05_prefix_caching.EXERCISES,
-                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES)
+                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES, challenges.EXERCISES_06)
     for ex in group
 }
 
