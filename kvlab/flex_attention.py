@@ -351,8 +351,10 @@ class FlexBackend:
     def dequantize(self, kv_layer: QuantizedKVLayer, block_ids: torch.Tensor) -> torch.Tensor:
         """The step's blocks of a quantized layer, dequantized into the one-layer scratch pool
         at their own block ids; the other blocks hold stale (finite) values the mask hides.
-        (vLLM's flex backend takes only unquantized caches; its kernels that take quantized
-        ones dequantize tile by tile instead: vllm/v1/attention/backends/triton_attn.py.)"""
+        kvlab differs: vLLM's flex backend refuses a quantized cache (auto, float16 and
+        bfloat16 only: vllm/v1/attention/backends/flex_attention.py); its Triton backend, which
+        takes them, dequantizes tile by tile inside the kernel
+        (vllm/v1/attention/ops/triton_unified_attention.py)."""
         if self.dequantized is None or self.dequantized.shape != kv_layer.shape:
             self.dequantized = torch.zeros(kv_layer.shape, dtype=kv_layer.dtype,
                                            device=kv_layer.device)

@@ -37,8 +37,9 @@ Where kvlab differs from vLLM:
 - vLLM requires an explicit float16/bfloat16 kv_cache_dtype to match the model's dtype
   (`vllm/config/cache.py`); kvlab stores bfloat16 K/V beside fp32 weights too (the CPU default),
   which is how a CPU measures what bf16 storage costs in accuracy.
-- vLLM's CPU backend (`vllm/v1/attention/backends/cpu_attn.py`) takes only auto and the fp8
-  names (on AVX-512 or AMX); here every mode runs on any CPU, in plain torch.
+- vLLM's CPU backend (`vllm/v1/attention/backends/cpu_attn.py`) takes auto, float16, bfloat16
+  and the fp8 names, those only on AVX-512 or AMX, no per-token-head mode; here every mode runs
+  on any CPU, in plain torch.
 """
 
 from __future__ import annotations
