@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata, to_device
+from kvlab.kv_quant import QuantizedKVLayer
 
 # The batched decode path copies a group of sequences' blocks, then SDPA reads the copy. Groups
 # of at most this many bytes (K and V, one layer) keep the copy in the CPU's cache (32 MiB of L3
@@ -64,8 +65,12 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Store this step's keys and values into their slots of the pool.
 
     kv_layer: (2, num_blocks, block_size, Hkv, D); k, v: (T, Hkv, D). Viewing the pool as one
-    long row of slots makes a slot number an ordinary index.
+    long row of slots makes a slot number an ordinary index. A pool at a lower precision
+    (kv_cache_dtype, kvlab/kv_quant.py) quantizes them on the way in, scales into the same slots.
     """
+    if isinstance(kv_layer, QuantizedKVLayer):
+        kv_layer.write(k, v, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_layer[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k
     kv_layer[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v
@@ -75,11 +80,15 @@ def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int):
     """One sequence's past keys and values, in order, read through its block table.
 
     Returns k, v: (Hkv, seq_len, D). The blocks may lie anywhere in the pool; indexing with the
-    block table puts them back in logical order.
+    block table puts them back in logical order (and, at a lower precision, dequantized).
     """
     _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
-    k = kv_layer[0][block_table].view(-1, num_kv_heads, head_dim)[:seq_len]  # (L, Hkv, D)
-    v = kv_layer[1][block_table].view(-1, num_kv_heads, head_dim)[:seq_len]
+    if isinstance(kv_layer, QuantizedKVLayer):
+        k_blocks, v_blocks = kv_layer.gather(block_table)
+    else:
+        k_blocks, v_blocks = kv_layer[0][block_table], kv_layer[1][block_table]
+    k = k_blocks.view(-1, num_kv_heads, head_dim)[:seq_len]  # (L, Hkv, D)
+    v = v_blocks.view(-1, num_kv_heads, head_dim)[:seq_len]
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
@@ -144,18 +153,24 @@ def paged_attention_decode(q: torch.Tensor, kv_layer: torch.Tensor, decode: Deco
     Per group of sequences: one `index_select` copies their blocks (K and V in the same call)
     into `buffer` in logical order, then one SDPA call attends. The query heads that share a
     KV head (grouped-query attention) go in as that head's query rows, so each K/V row is read
-    once per KV head rather than once per query head.
+    once per KV head rather than once per query head. At a lower precision the copy is
+    dequantized on the way into `buffer`.
     """
     B, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
     group_size, L = num_heads // num_kv_heads, decode.max_len
-    pool = kv_layer.view(2 * num_blocks, -1)  # row r < num_blocks: K of block r; V after
+    quantized = isinstance(kv_layer, QuantizedKVLayer)
+    # row r < num_blocks: K of block r; V after
+    pool = None if quantized else kv_layer.view(2 * num_blocks, -1)
     q = q.view(B, num_kv_heads, group_size, head_dim)  # query head h reads KV head h // group
     out = None if len(decode.groups) == 1 else q.new_empty(q.shape)
     for first, end, index in decode.groups:
         n = end - first
         kv = buffer[: 2 * n * (L // block_size)]
-        torch.index_select(pool, 0, index, out=kv)
+        if quantized:
+            kv_layer.read_rows(index, out=kv)
+        else:
+            torch.index_select(pool, 0, index, out=kv)
         kv = kv.view(2, n, L, num_kv_heads, head_dim).transpose(2, 3)  # (2, n, Hkv, L, D)
         o = F.scaled_dot_product_attention(q[first:end], kv[0], kv[1],
                                            attn_mask=decode.mask[first:end], scale=scale)
@@ -277,12 +292,14 @@ class SDPABackend(ReferenceBackend):
 
     def scratch(self, decode: DecodeMetadata, kv_layer: torch.Tensor) -> torch.Tensor:
         """The copy buffer, big enough for this step's largest group (grown, never shrunk)."""
-        row = kv_layer[0, 0].numel()  # one block of K (or V): block_size * Hkv * D
+        _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+        row = block_size * num_kv_heads * head_dim  # one block of K (or V)
         rows = 2 * max(end - first for first, end, _ in decode.groups) * decode.max_len
         rows //= kv_layer.shape[2]  # blocks, not slots
         if (self.buffer is None or self.buffer.shape[0] < rows or self.buffer.shape[1] != row
                 or self.buffer.dtype != kv_layer.dtype or self.buffer.device != kv_layer.device):
-            self.buffer = kv_layer.new_empty((rows, row))
+            # In the dtype attention reads (a quantized pool's compute dtype).
+            self.buffer = torch.empty((rows, row), dtype=kv_layer.dtype, device=kv_layer.device)
         return self.buffer
 
 

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 
 from kvlab.config import BACKENDS
+from kvlab.kv_quant import KV_CACHE_DTYPES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,6 +34,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="kvlab-only: the KV budget in tokens (vLLM: --gpu-memory-utilization)")
+    # vLLM's flags (vllm/config/cache.py, vllm/engine/arg_utils.py): how K/V are stored, and
+    # the pool in bytes (not with --kv-cache-tokens).
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="K/V storage precision (auto: the model's dtype)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV pool's size in bytes (scales included)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--prefix-caching-hash-algo", default="sha256")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -75,6 +82,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill,

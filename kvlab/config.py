@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from kvlab.kv_quant import get_kv_cache_dtype
 from kvlab.prefix_cache import HASH_ALGOS
 
 KV_LAYOUTS = ("paged", "contiguous")
@@ -53,6 +54,12 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (vLLM --block-size)
     kv_layout: str = "paged"  # kvlab-only: "paged" (vLLM) or "contiguous" (pre-vLLM baseline)
     kv_cache_tokens: int | None = None  # KV budget in tokens; stands in for gpu_memory_utilization
+    # vLLM's names (vllm/config/cache.py). kv_cache_dtype: how K/V are stored ("auto": as the
+    # model computes them; kvlab/kv_quant.py lists the rest). kv_cache_memory_bytes: the pool
+    # in bytes instead of tokens (as vLLM's, which then ignores gpu_memory_utilization), so the
+    # same bytes hold more tokens at a lower precision. Not with kv_cache_tokens.
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256  # most requests running at once (vLLM --max-num-seqs)
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill + decode)
     max_model_len: int | None = None  # prompt + output limit; None: the model's context length
@@ -102,6 +109,12 @@ class EngineConfig:
         check_int("block_size", self.block_size, minimum=1)
         check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
         check_int("kv_cache_tokens", self.kv_cache_tokens, minimum=1, allow_none=True)
+        get_kv_cache_dtype(self.kv_cache_dtype)  # a known name this torch can store
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1, allow_none=True)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_tokens is not None:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} and kv_cache_tokens="
+                f"{self.kv_cache_tokens} both size the KV pool: pass one of them")
         check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, allow_none=True)
         check_int("max_model_len", self.max_model_len, minimum=2, allow_none=True)
@@ -131,12 +144,18 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.max_model_len is not None:
             self._check_one_request_fits()
 
-    def resolve(self, model_max_len: int, default_kv_tokens: int) -> None:
+    def resolve(self, model_max_len: int, default_kv_tokens: int,
+                kv_bytes_per_token: int | None = None) -> None:
         """Fill in the `None` knobs once the model is known, and check the combination.
 
         Mirrors vLLM: without chunked prefill a whole prompt must fit one step, so the token
         budget must be at least max_model_len (vLLM refuses to start otherwise).
+        `kv_bytes_per_token` (at kv_cache_dtype, scales included) turns kv_cache_memory_bytes
+        into whole blocks, as vLLM does (`available_memory // bytes_per_block` in
+        vllm/v1/core/kv_cache_planning.py).
         """
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_tokens is None:
+            self.kv_cache_tokens = self._tokens_in_memory_bytes(kv_bytes_per_token)
         if self.max_model_len is None:
             self.max_model_len = model_max_len
             if self.kv_cache_tokens is None:
@@ -165,7 +184,26 @@ class EngineConfig:
                 "chunked prefill"
             )
 
+    def _tokens_in_memory_bytes(self, kv_bytes_per_token: int | None) -> int:
+        if kv_bytes_per_token is None:
+            raise ValueError("kv_cache_memory_bytes needs the KV bytes per token to size the pool")
+        block_bytes = kv_bytes_per_token * self.block_size
+        num_blocks = self.kv_cache_memory_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} is smaller than one KV "
+                f"block: block_size={self.block_size} tokens x {kv_bytes_per_token} bytes per "
+                f"token at kv_cache_dtype={self.kv_cache_dtype!r} is {block_bytes} bytes; "
+                "raise kv_cache_memory_bytes, or lower block_size or the KV precision")
+        return num_blocks * self.block_size
+
     def _check_one_request_fits(self) -> None:
+        if self.kv_cache_tokens < self.max_model_len and self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds "
+                f"{self.kv_cache_tokens} tokens at kv_cache_dtype={self.kv_cache_dtype!r}, "
+                f"fewer than one request of max_model_len={self.max_model_len}: raise "
+                "kv_cache_memory_bytes, lower max_model_len, or store K/V at a lower precision")
         if self.kv_cache_tokens < self.max_model_len:
             raise ValueError(
                 f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one request of "

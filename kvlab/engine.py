@@ -22,6 +22,7 @@ from kvlab.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParam
 from kvlab.config import EngineConfig
 from kvlab.inputs import ParsedPrompt, parse_prompt
 from kvlab.kv_cache import allocate_kv_cache, make_kv_cache_manager
+from kvlab.kv_quant import get_kv_cache_dtype
 from kvlab.metrics import RequestMetrics, StepRecord
 from kvlab.model import Transformer, load_model
 from kvlab.attention import get_attention_backend
@@ -60,10 +61,16 @@ class LLMEngine:
                                  attn_backend=get_attention_backend(config.backend,
                                                                     config.enforce_eager))
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
-        self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.dtype)
+        # K/V as stored (issue 23): "auto" keeps the model's dtype; a lower precision makes a
+        # token cost fewer bytes, so a budget in bytes holds more of them.
+        self.kv_cache_dtype = get_kv_cache_dtype(config.kv_cache_dtype)
+        m = self.model
+        self.kv_bytes_per_token = self.kv_cache_dtype.bytes_per_token(
+            m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
         config.resolve(
             model_max_len=self.loaded.config.max_position_embeddings,
             default_kv_tokens=self._default_kv_tokens(),
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )
         self.vocab_size = self.model.embed_tokens.shape[0]
         eos = self.loaded.hf_model.generation_config.eos_token_id
@@ -82,6 +89,7 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+            self.kv_cache_dtype,
         )
         # vLLM's scheduler with chapter 02's groups (forked samples, beams) beside it.
         self.scheduler = GroupScheduler(config, self.kv_cache_manager)
@@ -341,9 +349,10 @@ class LLMEngine:
                                       if kv.prefix_cache_queries else 0.0),
             "prefix_cache_preempted_queries": kv.prefix_cache_preempted_queries,
             "prefix_cache_preempted_hits": kv.prefix_cache_preempted_hits,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_dtype": self.kv_cache_dtype.name,
+            "kv_bytes_per_token": self.kv_bytes_per_token,  # at kv_cache_dtype, scales included
             "kv_capacity_tokens": pool.num_blocks * self.config.block_size,
-            "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
+            "kv_cache_bytes": self.kv_cache.nbytes,  # the pool (and its scales), as allocated
             "max_model_len": self.config.max_model_len,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -364,6 +373,8 @@ class LLM:
         block_size: int = 16,
         kv_layout: str = "paged",
         kv_cache_tokens: int | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
@@ -383,7 +394,8 @@ class LLM:
     ) -> None:
         config = EngineConfig(  # validates every knob before anything is loaded
             model=model, block_size=block_size, kv_layout=kv_layout,
-            kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+            kv_cache_tokens=kv_cache_tokens, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark,

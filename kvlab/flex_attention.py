@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.attention_metadata import AttentionMetadata, CommonAttentionMetadata, to_device
+from kvlab.kv_quant import QuantizedKVLayer
 
 # FlexAttention's sparse block sizes: the mask's tile list says, per tile of Q_TILE query rows,
 # which tiles of slots hold anything those rows may see. vLLM's flex backend
@@ -110,6 +111,7 @@ class FlexMaskBuilder:
         self.num_slots = num_blocks * block_size
         self.kv_tiles = -(-self.num_slots // self.kv_tile)
         self.block_logical = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self.step_blocks: torch.Tensor | None = None  # the last step's tables, end to end
         self._allocate(rows=2048, table_entries=padded_rows(2 * num_blocks))
         keep_static(self.block_logical)
 
@@ -185,6 +187,7 @@ class FlexMaskBuilder:
         self.q_pos[:num_tokens].copy_(q_pos)
         self.q_table[:num_tokens].copy_(q_table)
         self.tables[: len(flat)].copy_(flat)
+        self.step_blocks = flat  # every block the step reads (a quantized pool dequantizes them)
         self.block_logical[flat] = logical
         self.kv_num_blocks[0, 0, :q_tiles].copy_(kv_num_blocks)
         self.kv_indices[0, 0, :q_tiles, :width].copy_(kv_indices.view(q_tiles, width))
@@ -305,6 +308,7 @@ class FlexCompileError(RuntimeError):
 class FlexMetadata(AttentionMetadata):
     block_mask: object  # FlexAttention's BlockMask over (query rows) x (every slot of the pool)
     padded: bool  # compiled: the queries go in as a fresh (1, Hq, rows, D) tensor, every step
+    block_ids: torch.Tensor | None = None  # the step's blocks, on the device (may repeat)
 
 
 class FlexBackend:
@@ -317,6 +321,10 @@ class FlexBackend:
         self.builder: FlexMaskBuilder | None = None  # made at the first step (pool size known)
         self.kernel = None
         self.kernel_options: dict | None = None
+        # A quantized pool (kv_cache_dtype): one layer's pool in the compute dtype, into which
+        # each layer dequantizes the step's blocks before the kernel reads it in place. Made at
+        # the first quantized step; every layer and step reuses it (one shape: one graph).
+        self.dequantized: torch.Tensor | None = None
 
     def build(self, common: CommonAttentionMetadata) -> FlexMetadata:
         if self.builder is None:
@@ -338,9 +346,26 @@ class FlexBackend:
                                            "BLOCK_N": self.builder.kv_tile}
         mask = self.builder.build(common.block_table_ids, common.query_start_loc, common.seq_lens)
         return FlexMetadata(slot_mapping=common.slot_mapping, block_mask=mask,
-                            padded=self.builder.pad)
+                            padded=self.builder.pad, block_ids=self.builder.step_blocks)
+
+    def dequantize(self, kv_layer: QuantizedKVLayer, block_ids: torch.Tensor) -> torch.Tensor:
+        """The step's blocks of a quantized layer, dequantized into the one-layer scratch pool
+        at their own block ids; the other blocks hold stale (finite) values the mask hides.
+        kvlab differs: vLLM's flex backend refuses a quantized cache (auto, float16 and
+        bfloat16 only: vllm/v1/attention/backends/flex_attention.py); its Triton backend, which
+        takes them, dequantizes tile by tile inside the kernel
+        (vllm/v1/attention/ops/triton_unified_attention.py)."""
+        if self.dequantized is None or self.dequantized.shape != kv_layer.shape:
+            self.dequantized = torch.zeros(kv_layer.shape, dtype=kv_layer.dtype,
+                                           device=kv_layer.device)
+        k, v = kv_layer.gather(block_ids)
+        self.dequantized[0, block_ids] = k
+        self.dequantized[1, block_ids] = v
+        return self.dequantized
 
     def forward(self, q, kv_layer, meta: FlexMetadata, scale: float) -> torch.Tensor:
+        if isinstance(kv_layer, QuantizedKVLayer):
+            kv_layer = self.dequantize(kv_layer, meta.block_ids)
         if not meta.padded:  # eager: nothing to compile
             return paged_attention_flex(q, kv_layer, meta, scale, self.kernel,
                                         self.kernel_options)

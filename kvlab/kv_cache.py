@@ -25,6 +25,7 @@ import torch
 
 from kvlab.block_pool import BlockPool, KVCacheBlock
 from kvlab.kv_events import KVCacheEvent
+from kvlab.kv_quant import KVCacheDType, QuantizedKVCache, get_kv_cache_dtype
 from kvlab.prefix_cache import extend_block_hashes
 from kvlab.request import RequestStatus
 
@@ -37,7 +38,16 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor:
+    kv_cache_dtype: KVCacheDType | str = "auto",
+) -> torch.Tensor | QuantizedKVCache:
+    """The pool. At kv_cache_dtype "auto" (or one equal to `dtype`) a plain tensor; otherwise a
+    `QuantizedKVCache` of the same logical shape, which quantizes on write and dequantizes on
+    read (issue 23, kvlab/kv_quant.py)."""
+    spec = (get_kv_cache_dtype(kv_cache_dtype) if isinstance(kv_cache_dtype, str)
+            else kv_cache_dtype)
+    if not spec.is_identity(dtype):
+        return QuantizedKVCache(spec, num_layers, num_blocks, block_size, num_kv_heads,
+                                head_dim, dtype, device)
     # Zeros, not empty: padded reads in the batched decode path touch unused slots, and masked
     # garbage could be NaN, which survives a zero attention weight (0 * NaN = NaN).
     return torch.zeros(

@@ -15,6 +15,7 @@ import time
 import torch
 
 from kvlab.attention_metadata import CommonAttentionMetadata, to_device
+from kvlab.kv_quant import QuantizedKVCache
 from kvlab.model import Transformer
 from kvlab.request import Request
 from kvlab.sampling import Sampler, prompt_logprobs
@@ -28,7 +29,7 @@ class ModelRunner:
     def __init__(
         self,
         model: Transformer,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | QuantizedKVCache,
         device: torch.device,
         sampler: Sampler,
     ) -> None:
@@ -36,8 +37,10 @@ class ModelRunner:
         self.attn_backend = model.attn_backend
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
-        # (layers, 2, blocks, block_size, Hkv, D): K and V of one token in one layer
-        self.layer_kv_bytes_per_token = kv_cache[0, :, 0, 0].numel() * kv_cache.element_size()
+        # (layers, 2, blocks, block_size, Hkv, D): K and V of one token in one layer, as
+        # attention reads them (a quantized pool's shape and dtype are those it dequantizes to)
+        num_kv_heads, head_dim = kv_cache.shape[4:]
+        self.layer_kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_cache.dtype.itemsize
         self.device = device
         self.sampler = sampler
         self.last_forward_time = 0.0
@@ -86,7 +89,10 @@ class ModelRunner:
         if copies:
             src, dst = to_device(torch.tensor(copies, dtype=torch.long, device="cpu").T
                                  .contiguous(), self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
+            if isinstance(self.kv_cache, QuantizedKVCache):  # the scales travel with the blocks
+                self.kv_cache.copy_blocks(src, dst)
+            else:
+                self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
     @staticmethod
     def _prompt_logprob_rows(request: Request, num_new: int, row0: int):

@@ -37,6 +37,16 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
         (dict(enable_prefix_caching=True, kv_layout="contiguous"), ValueError, "enable_prefix_caching"),
         (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching"),
         (dict(prefix_caching_hash_algo="md5"), ValueError, "prefix_caching_hash_algo"),
+        # issue 23: vLLM's kv_cache_dtype and kv_cache_memory_bytes
+        (dict(kv_cache_dtype="int3"), ValueError, "kv_cache_dtype='int3'.*int8_per_token_head"),
+        (dict(kv_cache_dtype="nvfp4"), ValueError, "not supported by kvlab"),
+        (dict(kv_cache_dtype=8), TypeError, "kv_cache_dtype"),
+        (dict(kv_cache_memory_bytes=0), ValueError, "kv_cache_memory_bytes"),
+        (dict(kv_cache_memory_bytes=2**20, kv_cache_tokens=256), ValueError,
+         "both size the KV pool"),
+        (dict(kv_cache_memory_bytes=1000), ValueError, "smaller than one KV block.*737280"),
+        (dict(kv_cache_memory_bytes=4 * 2**20, max_model_len=256), ValueError,
+         "holds 80 tokens.*max_model_len=256"),
     ],
 )
 def test_bad_engine_knobs(kwargs, error, words):

@@ -235,7 +235,7 @@ class TransferCounter(TorchFunctionMode):
         return out
 
 
-def meta_runner(engine: LLMEngine, backend: str):
+def meta_runner(engine: LLMEngine, backend: str, kv_cache_dtype: str = "auto"):
     """The engine's model runner rebuilt with the model and the pool on the meta device; its
     sampler answers token 7 for every row without reading the logits (the sampler's own one
     transfer is counted in tests/test_sampling.py)."""
@@ -254,7 +254,7 @@ def meta_runner(engine: LLMEngine, backend: str):
     model = Transformer(loaded, fast=True, attn_backend=get_attention_backend(backend, True))
     cfg = engine.config
     kv = allocate_kv_cache(model.num_layers, cfg.num_blocks, cfg.block_size, model.num_kv_heads,
-                           model.head_dim, torch.float32, meta)
+                           model.head_dim, torch.float32, meta, kv_cache_dtype)
 
     class Sampler:
         def __call__(self, logits, params, generators):
@@ -264,8 +264,13 @@ def meta_runner(engine: LLMEngine, backend: str):
     return ModelRunner(model, kv, meta, Sampler())
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8_per_token_head",
+                                            "int4_per_token_head"])
 @pytest.mark.parametrize("backend", ["auto", "flex"])
-def test_a_decode_step_makes_no_sync_and_two_copies(backend, text_ids, monkeypatch):
+def test_a_decode_step_makes_no_sync_and_two_copies(backend, kv_cache_dtype, text_ids,
+                                                    monkeypatch):
+    """Quantizing on write and dequantizing on read (issue 23) add no sync and no copy: the
+    scales live on the device beside the blocks, the int4 rotation is made once."""
     if backend == "flex":
         # FlexAttention refuses meta tensors: its kernel stands in (the mask it is given,
         # built and moved by kvlab each step, is what is counted).
@@ -275,7 +280,7 @@ def test_a_decode_step_makes_no_sync_and_two_copies(backend, text_ids, monkeypat
                             lambda q, k, v, block_mask=None, **kw: torch.empty_like(q))
     llm = LLM(backend=backend, device="cpu", kv_cache_tokens=1024, max_model_len=256)
     engine = llm.llm_engine
-    engine.model_runner = meta_runner(engine, backend)
+    engine.model_runner = meta_runner(engine, backend, kv_cache_dtype)
     engine.model.attn_backend = engine.model_runner.attn_backend
     for i in range(4):
         engine.add_request(f"r{i}", {"prompt_token_ids": text_ids[i : i + 20 + 9 * i]},

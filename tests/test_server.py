@@ -123,6 +123,22 @@ def test_serve_flags_map_onto_llm_knobs():
         parser().parse_args("serve --attention-backend FLASH_ATTN".split())
 
 
+def test_kv_cache_flags_map_onto_llm_knobs():
+    """vLLM's --kv-cache-dtype and --kv-cache-memory-bytes (vllm/config/cache.py)."""
+    from kvlab.cli import engine_kwargs, parser
+
+    args = parser().parse_args("serve --kv-cache-dtype fp8 --kv-cache-memory-bytes 8388608 "
+                               "--max-model-len 64".split())
+    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8"
+    stats = LLM(**engine_kwargs(args)).stats()
+    assert stats["kv_cache_dtype"] == "fp8_e4m3"  # vLLM's alias
+    assert stats["num_blocks"] == 8388608 // (stats["kv_bytes_per_token"] * 16)
+    defaults = engine_kwargs(parser().parse_args(["serve"]))
+    assert (defaults["kv_cache_dtype"], defaults["kv_cache_memory_bytes"]) == ("auto", None)
+    with pytest.raises(SystemExit):  # argparse names the choices and exits 2
+        parser().parse_args("serve --kv-cache-dtype int3".split())
+
+
 def test_reset_prefix_cache_route_in_dev_mode_only(text_ids):
     """vLLM's POST /reset_prefix_cache (vllm/entrypoints/serve/dev/cache/api_router.py): only
     with its dev routes on; answers {"success": bool}, false while blocks are held."""

@@ -7,6 +7,7 @@
     python -m kvlab.bench prefix           # prefix caching and cache_salt targets
     python -m kvlab.bench peers            # transformers generate / generate_batch, the ceiling
     python -m kvlab.bench compiled-flex    # compiled FlexAttention: graphs, tokens, time vs auto
+    python -m kvlab.bench kv-dtype         # KV density by precision: bytes, fit, accuracy, cost
     python -m kvlab.bench roofline         # decode batch sweep against this machine's roofline
     python -m kvlab.bench serve-peers      # kvlab serve vs transformers serve (TTFT, ITL, tok/s)
     python -m kvlab.bench client           # stream to any OpenAI-compatible server

@@ -97,6 +97,25 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the results to this file")
+    from kvlab.bench.kv_dtype import DTYPES
+
+    p = sub.add_parser("kv-dtype", help="KV density by precision (vLLM's kv_cache_dtype): "
+                                        "bytes per token, requests that fit, accuracy against "
+                                        "the full-precision cache, quantize/dequantize time")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), metavar="NAME")
+    p.add_argument("--memory-bytes", type=int, default=64 * 2**20,
+                   help="kv_cache_memory_bytes, the same for every precision")
+    p.add_argument("--request-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=16, help="decode batch of the timed step")
+    p.add_argument("--context", type=int, default=256, help="context of the timed step")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the whole run (default: torch's own)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the rows to this file")
     p = sub.add_parser("client", help="stream requests to any OpenAI-compatible endpoint")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None,
@@ -198,6 +217,18 @@ def main(argv=None) -> None:
                         log=print_json)
     elif args.command == "client":
         rows = client_benchmark(args)
+    elif args.command == "kv-dtype":
+        from kvlab.bench.kv_dtype import kv_dtype_table, report
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        rows = kv_dtype_table(tuple(args.dtypes), args.memory_bytes, args.request_len,
+                              args.num_prompts, args.prompt_len, args.max_tokens,
+                              batch=args.batch, context=args.context, repeats=args.repeats,
+                              model=args.model)
+        print(report(rows), flush=True)
     elif args.command == "compiled-flex":
         from kvlab.bench.compiled_flex import compiled_flex_report
 
