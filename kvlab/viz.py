@@ -794,7 +794,9 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     ax_pool.set_ylim(-1.2, rows)  # the strip below the grid holds the legend
     ax_pool.set_aspect("equal")
     ax_pool.axis("off")
-    counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE))
+    # Counts of the states on screen only (held and free always), like the legend below.
+    counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE)
+                       if s in (HELD, FREE) or snap.count(s))
     ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
                       f"{snap.block_size}): {counts}", fontsize=9)
     # The legend names what is on screen: free and held always, the states of later chapters

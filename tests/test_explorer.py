@@ -252,8 +252,9 @@ def test_the_legend_names_only_the_states_on_screen():
                                           key=None, just_copied=False)
                                   for b in snap.blocks])
     assert {b.state for b in plain.blocks} <= {HELD, FREE}
-    assert _legend_labels(draw_snapshot(plain)) == ["free",
-                                                    "held by a request (solid: K/V written)"]
+    fig = draw_snapshot(plain)
+    assert "shared" not in fig.axes[0].get_title() and "cached" not in fig.axes[0].get_title()
+    assert _legend_labels(fig) == ["free", "held by a request (solid: K/V written)"]
 
 
 def test_the_picture_is_drawn_from_the_snapshot_alone():

@@ -10,10 +10,29 @@ identical, and the time per token tells the cost of recomputing.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+import warnings
 
 import torch
+
+
+@contextlib.contextmanager
+def _quiet_cache_argument():
+    """transformers 5.24 warns that `past_key_values` is renamed `cache` (removal in 5.40);
+    older 5.x, the GPU machine's 5.17 among them, know only the old name, so it stays, and the
+    notice (a FutureWarning and one log line) is kept out of the notebook."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _greedy(model, prompt_ids: list[int], max_tokens: int, use_cache: bool):
@@ -21,7 +40,7 @@ def _greedy(model, prompt_ids: list[int], max_tokens: int, use_cache: bool):
     seq = torch.tensor([prompt_ids])
     tokens, seconds, positions = [], [], []
     cache = None
-    with torch.inference_mode():
+    with torch.inference_mode(), _quiet_cache_argument():
         for _ in range(max_tokens):
             t0 = time.perf_counter()
             if use_cache:
