@@ -89,17 +89,7 @@ def _sdpa_case(seed: int, num_heads: int, num_kv_heads: int, head_dim: int, bloc
 def _compare(impl, args, expected, what: str) -> None:
     q, kv_layer, block_table, seq_len, scale = args
     got = impl(q.clone(), kv_layer.clone(), list(block_table), seq_len, scale)
-    if not isinstance(got, torch.Tensor):
-        raise Mismatch(f"a tensor of shape {tuple(expected.shape)}", type(got).__name__)
-    if tuple(got.shape) != tuple(expected.shape):
-        raise Mismatch(f"shape {tuple(expected.shape)} (num_heads, head_dim)",
-                       f"shape {tuple(got.shape)}", what)
-    err = (got.float() - expected).abs()
-    if not torch.isfinite(err).all() or err.max() > 1e-4:
-        head = int(err.max(dim=-1).values.argmax()) if torch.isfinite(err).all() else 0
-        raise Mismatch("the output of SDPA over the contiguous sequence (within 1e-4)",
-                       f"a difference of {err.max().item():.3g} (largest at query head {head})",
-                       what)
+    _check_output(got, expected, what)
 
 
 def _fixed(desc: str, **kw):
