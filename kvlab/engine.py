@@ -61,7 +61,7 @@ class LLMEngine:
                                  attn_backend=get_attention_backend(config.backend,
                                                                     config.enforce_eager))
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
-        # K/V as stored (issue 23): "auto" keeps the model's dtype; a lower precision makes a
+        # K/V as stored: "auto" keeps the model's dtype; a lower precision makes a
         # token cost fewer bytes, so a budget in bytes holds more of them.
         self.kv_cache_dtype = get_kv_cache_dtype(config.kv_cache_dtype)
         m = self.model

@@ -42,7 +42,7 @@ def allocate_kv_cache(
 ) -> torch.Tensor | QuantizedKVCache:
     """The pool. At kv_cache_dtype "auto" (or one equal to `dtype`) a plain tensor; otherwise a
     `QuantizedKVCache` of the same logical shape, which quantizes on write and dequantizes on
-    read (issue 23, kvlab/kv_quant.py)."""
+    read (kvlab/kv_quant.py)."""
     spec = (get_kv_cache_dtype(kv_cache_dtype) if isinstance(kv_cache_dtype, str)
             else kv_cache_dtype)
     if not spec.is_identity(dtype):

@@ -1,7 +1,7 @@
 """KV cache precision: vLLM's `kv_cache_dtype`, quantized where K/V are written, dequantized
 where attention reads them.
 
-Issue 23. The pool's bytes are the KV budget; storing each K/V value in fewer bits holds more
+The pool's bytes are the KV budget; storing each K/V value in fewer bits holds more
 tokens in the same bytes. The names are vLLM 0.33.0's (`CacheDType` in `vllm/config/cache.py`);
 the modes are its `KVQuantMode`s (`vllm/v1/kv_cache_interface.py`):
 

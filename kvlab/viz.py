@@ -11,6 +11,7 @@ import textwrap
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from matplotlib.transforms import offset_copy
 
 from kvlab.explorer import CACHED, FREE, HELD, SHARED, EngineSnapshot
@@ -193,6 +194,15 @@ def block_size_summary(lengths: list[int], block_size: int) -> str:
             f"({waste / mean_len:5.1%} of the mean length), block table {entries:6.1f} entries")
 
 
+def plain_log_ticks(axis, base: int = 10) -> None:
+    """A log axis labelled in plain numbers (1, 2, 5, 10, 20, ... or 1, 2, 4, 8 for base 2),
+    not matplotlib's default 10^n / 2^n: a reader compares values, not exponents."""
+    if base == 10:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_block_size_tradeoff(lengths: list[int], block_size: int,
                              block_sizes=(1, 2, 4, 8, 16, 32, 64, 128)):
     """Internal waste grows with the block size; the block table shrinks. One figure, two axes."""
@@ -202,11 +212,13 @@ def plot_block_size_tradeoff(lengths: list[int], block_size: int,
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ax.plot(sizes, waste, "o-", color="tab:red", label="internal waste (slots/request)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set_xlabel("block_size (tokens)")
     ax.set_ylabel("wasted slots per request", color="tab:red")
     ax2 = ax.twinx()
     ax2.plot(sizes, entries, "s-", color="tab:blue", label="block-table entries")
     ax2.set_yscale("log")
+    plain_log_ticks(ax2.yaxis)
     ax2.set_ylabel("block-table entries per request", color="tab:blue")
     ax.axvline(block_size, color="k", ls="--", lw=1)
     ax.set_title(block_size_summary(lengths, block_size), fontsize=8)
@@ -344,6 +356,8 @@ def _log2_axes(ax, xlabel: str, ylabel: str, ticks=None, legend_size: int = 8) -
     ax.set_xscale("log", base=2)
     if ticks is not None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
+    else:
+        plain_log_ticks(ax.xaxis, base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=legend_size)
@@ -383,6 +397,7 @@ def plot_stall(runs: list):
     ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
     ax.set_ylabel("gap since the previous token (ms)")
     ax.set_yscale("log")
+    plain_log_ticks(ax.yaxis)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -455,6 +470,7 @@ def plot_ttft_attack(result: dict, ax=None):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=colour, label=label)
     ax.axhline(result["threshold_ms"], color="k", ls="--", lw=1, label="B's threshold")
     ax.set_yscale("log")
+    plain_log_ticks(ax.yaxis)
     ax.set_xlabel("trial")
     ax.set_ylabel("B's TTFT (ms)")
     salted = "with per-tenant cache_salt" if result["salted"] else "no salt"
@@ -487,6 +503,7 @@ def plot_cold_warm_ttft(runs: list[dict], ax=None):
         f"{'caching on' if r['enable_prefix_caching'] else 'caching off'}\n"
         f"first / later = {r['speedup']:g}x" for r in runs])
     ax.set_yscale("log")
+    plain_log_ticks(ax.yaxis)
     ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the labels
     ax.set_ylabel("TTFT (ms)")
     first = runs[0]

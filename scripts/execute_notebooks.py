@@ -5,12 +5,16 @@
     python scripts/execute_notebooks.py --render-only        only rewrite the docs' minutes
 
 Clean means: kernel name python3, execution counts kept, `metadata.widgets` removed (GitHub
-refuses to render a notebook whose widget metadata carries no state).
+refuses to render a notebook whose widget metadata carries no state). Folded means: the saved
+outputs that answer a prediction (each code cell after a `prediction_... =` cell, up to the
+first that reads the prediction) open collapsed (`jupyter.outputs_hidden`), so a participant
+predicts before seeing them; JupyterLab unfolds a cell's output when the cell runs.
+`--fold-only` refolds the committed notebooks without executing them.
 
-Each notebook's wall time (kernel start included) goes into notebooks/timings.json with the
-machine, the date and the 1-minute load average just before it started (notebooks run back to
+Each notebook's wall time (kernel start included) and its kernel's peak resident memory (Linux
+VmHWM, read after every cell) go into notebooks/timings.json with the machine, the date and the 1-minute load average just before it started (notebooks run back to
 back, so that average includes the previous notebook's own kernel; it is kept as a hint, not a
-proof of a quiet machine). The "minutes here" column of the chapter tables in README.md and
+proof of a quiet machine). The "minutes here" and "peak GB here" columns of the chapter tables in README.md and
 notebooks/FACILITATOR.md, and the line between their `<!-- timings -->` markers, are rewritten
 from that file after every notebook; tests/test_workshop.py checks that they agree with it. Run
 it alone on a quiet machine: the times are what the README promises. It refuses to run with
@@ -34,7 +38,40 @@ NOTEBOOKS = ROOT / "notebooks"
 TIMINGS = NOTEBOOKS / "timings.json"
 DOCS = (ROOT / "README.md", NOTEBOOKS / "FACILITATOR.md")
 COLUMN = "minutes here"
+PEAK_COLUMN = "peak GB here"  # the kernel's peak resident memory (Linux VmHWM)
 MARKERS = ("<!-- timings -->", "<!-- /timings -->")
+
+
+PREDICTION = re.compile(r"^(prediction_\w+)\s*=", re.MULTILINE)
+EXERCISE_TAGS = {"exercise", "exercise-check", "exercise-compare"}
+
+
+def answer_cells(cells) -> list[int]:
+    """Indices of the code cells whose saved outputs answer a prediction: after each cell that
+    sets `prediction_...`, every code cell up to and including the first that reads one of its
+    names (an exercise's own cells excepted: they print no measurement)."""
+    found = set()
+    for i, cell in enumerate(cells):
+        names = PREDICTION.findall(cell["source"]) if cell["cell_type"] == "code" else []
+        if not names:
+            continue
+        reads = re.compile(r"\b(" + "|".join(names) + r")\b")
+        for j in range(i + 1, len(cells)):
+            later = cells[j]
+            if later["cell_type"] != "code":
+                continue
+            if not EXERCISE_TAGS & set(later.get("metadata", {}).get("tags", [])):
+                found.add(j)
+            if reads.search(later["source"]):
+                break
+    return sorted(found)
+
+
+def fold_answers(nb) -> None:
+    for i in answer_cells(nb.cells):
+        meta = nb.cells[i].metadata
+        meta.setdefault("jupyter", {})["outputs_hidden"] = True
+        meta["collapsed"] = True
 
 
 def execute(path: Path) -> float:
@@ -44,14 +81,35 @@ def execute(path: Path) -> float:
 
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    client = NotebookClient(nb, timeout=900, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    peak = {"mib": None}
+
+    def after_cell(**_):  # the kernel is alive here; its peak only grows, so the last one counts
+        peak["mib"] = kernel_peak_mib(client) or peak["mib"]
+
+    client.on_cell_executed = after_cell
+    client.execute()
     seconds = time.perf_counter() - t0
+    fold_answers(nb)
     nb.metadata.pop("widgets", None)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                  "language": "python"}
     nbformat.write(nb, path)
-    return seconds
+    return seconds, peak["mib"]
+
+
+def kernel_peak_mib(client) -> float | None:
+    """The kernel process's peak resident memory so far, in MiB (Linux's VmHWM); None where
+    /proc is not there or the kernel is not a local process."""
+    try:
+        pid = client.km.provisioner.pid
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+    return None
 
 
 def machine() -> str:
@@ -73,11 +131,14 @@ def load_timings(path: Path) -> dict:
     return {"machine": None, "notebooks": {}}
 
 
-def record(timings: dict, stem: str, seconds: float, load: float) -> None:
+def record(timings: dict, stem: str, seconds: float, load: float,
+           peak_mib: float | None = None) -> None:
     timings["machine"] = machine()
     timings["notebooks"][stem] = {"seconds": round(seconds, 1),
                                   "date": datetime.date.today().isoformat(),
                                   "load_1min_before": round(load, 2)}
+    if peak_mib is not None:
+        timings["notebooks"][stem]["peak_mib"] = round(peak_mib)
     timings["notebooks"] = dict(sorted(timings["notebooks"].items()))
 
 
@@ -98,31 +159,51 @@ def summary(timings: dict) -> str:
             f"{len(runs)} notebook{'s' if len(runs) > 1 else ''}, {minutes(total)} minutes in all.")
 
 
-def render(text: str, timings: dict) -> str:
-    """`text` with every "minutes here" cell and the marked summary filled from `timings`.
+def _peak_gb(run: dict) -> str:
+    return f"{run['peak_mib'] / 1024:.1f}" if run.get("peak_mib") else "–"
 
-    A table takes part when its header has a "minutes here" column; its rows name a notebook
-    in their first cell (`00_the_model_and_its_kv_cache`) or are a "total" row. Anything else
-    is left as it is, so other columns can be edited freely.
+
+# The measured columns: header -> (a notebook's value, the total row's value).
+MEASURED = {
+    COLUMN: (lambda run: minutes(run["seconds"]),
+             lambda runs: minutes(sum(r["seconds"] for r in runs))),
+    PEAK_COLUMN: (_peak_gb,  # the total row: the largest one chapter needs, not a sum
+                  lambda runs: max((_peak_gb(r) for r in runs if r.get("peak_mib")),
+                                   key=float, default="–")),
+}
+
+
+def render(text: str, timings: dict) -> str:
+    """`text` with every measured cell ("minutes here", "peak GB here") and the marked summary
+    filled from `timings`.
+
+    A table takes part when its header has one of those columns; its rows name a notebook in
+    their first cell (`00_the_model_and_its_kv_cache`) or are a "total" row. Anything else is
+    left as it is, so other columns can be edited freely. A notebook not measured gets a dash.
     """
     runs = timings["notebooks"]
-    out, column = [], None
+    out, columns = [], None
     for line in text.splitlines(keepends=True):
         cells = line.rstrip("\n").split("|")
         if not line.startswith("|"):
-            column = None
-        elif column is None:
+            columns = None
+        elif columns is None:
             names = [c.strip() for c in cells]
-            column = names.index(COLUMN) if COLUMN in names else None
-        elif column < len(cells) and not set(cells[column].strip()) <= set("-: "):
+            columns = {names.index(h): h for h in MEASURED if h in names}
+        elif (columns and min(columns) < len(cells)
+              and not set(cells[min(columns)].strip()) <= set("-: ")):
             key = cells[1].strip().strip("`*")
-            if key in runs:
-                value = minutes(runs[key]["seconds"])
-            elif key == "total" and runs:
-                value = minutes(sum(r["seconds"] for r in runs.values()))
-            else:
-                value = "–"
-            cells[column] = f" {value} "
+            for index, header in columns.items():
+                if index >= len(cells):
+                    continue
+                one, total = MEASURED[header]
+                if key in runs:
+                    value = one(runs[key])
+                elif key == "total" and runs:
+                    value = total(list(runs.values()))
+                else:
+                    value = "–"
+                cells[index] = f" {value} "
             line = "|".join(cells) + ("\n" if line.endswith("\n") else "")
         out.append(line)
     text = "".join(out)
@@ -148,7 +229,17 @@ def main(argv=None) -> None:
                              "notebooks/FACILITATOR.md; none: --docs with no file)")
     parser.add_argument("--render-only", action="store_true",
                         help="execute nothing: rewrite the docs from the timings file")
+    parser.add_argument("--fold-only", action="store_true",
+                        help="execute nothing: fold the saved outputs that answer a prediction")
     args = parser.parse_args(argv)
+    if args.fold_only:
+        import nbformat
+
+        for path in args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            fold_answers(nb)
+            nbformat.write(nb, path)
+        return
     timings = load_timings(args.timings)
     if not args.render_only and os.environ.get("KVLAB_SIZE", "full").strip().lower() != "full":
         parser.error(f"KVLAB_SIZE={os.environ['KVLAB_SIZE']!r}: the committed notebooks are the "
@@ -156,9 +247,11 @@ def main(argv=None) -> None:
     if not args.render_only:
         for path in args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
             load = os.getloadavg()[0]
-            seconds = execute(path)
-            print(f"{path}: executed in {seconds:.0f} s (load {load:.2f} before)", flush=True)
-            record(timings, path.stem, seconds, load)
+            seconds, peak_mib = execute(path)
+            peak = "" if peak_mib is None else f", kernel peak {peak_mib / 1024:.1f} GB"
+            print(f"{path}: executed in {seconds:.0f} s{peak} (load {load:.2f} before)",
+                  flush=True)
+            record(timings, path.stem, seconds, load, peak_mib)
             # Written after every notebook: an interrupted run keeps what it measured.
             args.timings.write_text(json.dumps(timings, indent=2) + "\n")
             render_docs(timings, args.docs)

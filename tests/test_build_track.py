@@ -84,11 +84,47 @@ def test_chapters_01_to_06_hold_challenges_and_every_exercise_has_a_kind():
 def test_a_folded_cell_really_holds_source_so_the_check_above_can_fail():
     """Chapter 00's forward pass is printed folded: the output is there, only hidden."""
     nb = cells(NOTEBOOKS / "00_the_model_and_its_kv_cache.ipynb")
-    folded = [c for c in nb if c["cell_type"] == "code"
+    folded = [c for c in nb if c["cell_type"] == "code" and "kvlab.show(" in text(c)
               and c["metadata"].get("jupyter", {}).get("outputs_hidden")]
     assert folded
     shown = "".join("".join(o.get("text", "")) for o in folded[0]["outputs"])
     assert SOURCE_LINE.search(shown)
+
+
+def _executor():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "execute_notebooks", ROOT / "scripts" / "execute_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sources(path: Path) -> list[dict]:
+    return [dict(c, source=text(c)) for c in cells(path)]
+
+
+@pytest.mark.parametrize("path", ALL_CHAPTERS, ids=lambda p: p.stem)
+def test_saved_outputs_that_answer_a_prediction_open_folded(path):
+    """Every measurement and reveal between a prediction and the cell that grades it opens
+    folded, so the saved numbers do not answer the question before it is asked."""
+    nb = _sources(path)
+    for i in _executor().answer_cells(nb):
+        if nb[i].get("outputs"):
+            assert nb[i]["metadata"].get("jupyter", {}).get("outputs_hidden"), (
+                f"{path.stem} cell {i} answers a prediction unfolded:\n{nb[i]['source'][:200]}")
+
+
+def test_the_cells_that_answer_a_prediction_are_the_measurement_and_its_grading():
+    """Chapter 04's gap prediction: the stall table and the cell that grades it, nothing
+    before the prediction and nothing after the grading."""
+    nb = _sources(NOTEBOOKS / "04_chunked_prefill.ipynb")
+    asked = next(i for i, c in enumerate(nb) if c["source"].startswith("prediction_gap_ms ="))
+    answers = [i for i in _executor().answer_cells(nb) if i <= asked + 2]
+    assert answers == [asked + 1, asked + 2]
+    assert "chunked_prefill_trials" in nb[asked + 1]["source"]
+    assert "prediction_gap_ms" in nb[asked + 2]["source"]
 
 
 def glossary() -> list[tuple[str, str]]:
@@ -120,3 +156,37 @@ def test_each_glossary_term_is_defined_in_bold_in_its_first_chapter(term, chapte
         stem = w.split(" (")[0]
         assert any(b.startswith(stem) or b.rstrip("s") == stem or stem in b for b in bold), (
             f"{term!r} is not in bold in chapter {chapter} ({path.stem})")
+
+
+def test_solved_notebooks_replace_every_stub_with_an_answer_that_passes(tmp_path):
+    """The instructor's copies come from kvlab.exercises: every stub cell of chapters 00-06
+    becomes its solution, nothing else changes but the outputs, and each solution cell,
+    executed on its own, defines code that passes its exercise's fast cases."""
+    spec_path = ROOT / "scripts" / "solved_notebooks.py"
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("solved_notebooks", spec_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--out", str(tmp_path)])
+    solved_names = []
+    for path in BUILD_CHAPTERS:
+        original = cells(path)
+        solved = cells(tmp_path / path.name)
+        assert "Instructor's copy" in text(solved[0])
+        assert len(solved) == len(original) + 1
+        for before, after in zip(original, solved[1:]):
+            assert not after.get("outputs")
+            if "solution" not in after["metadata"].get("tags", []):
+                assert text(after) == text(before)
+                continue
+            name = next(ex.name for ex in exercises.by_chapter(path.stem)
+                        if ex.stub.strip() == text(before).strip())
+            ex = exercises.EXERCISES[name]
+            assert 'raise NotImplementedError("your turn")' not in text(after)
+            namespace: dict = {}
+            exec(compile(text(after), f"<solved {name}>", "exec"), namespace)
+            result = exercises.check(name, namespace[ex.entry_point], real_model=False)
+            assert result, str(result)
+            solved_names.append(name)
+    assert sorted(solved_names) == sorted(exercises.EXERCISES)

@@ -206,6 +206,30 @@ def alt_rag_prompt(system, document, question):
     return [*system, *document, *question]
 
 
+def alt_kv_pool_for(prompt_lens, output_len, block_size, max_model_len):
+    """Token by token: a request's blocks at its last step, one decode before its last token."""
+    paged = 0
+    for p in prompt_lens:
+        computed = p + output_len - 1
+        paged += (computed + block_size - 1) // block_size
+    return {"contiguous": len(prompt_lens) * math.ceil(max_model_len / block_size) * block_size,
+            "paged": paged * block_size}
+
+
+def alt_fork_pool_for(prompt_len, n, max_tokens, block_size):
+    """Blocks held at the end: the full prompt blocks once, each sample's tail (its copy of the
+    partial block included) n times."""
+    full = prompt_len // block_size
+    tail_tokens = prompt_len + max_tokens - 1 - full * block_size
+    return (full + n * math.ceil(tail_tokens / block_size)) * block_size
+
+
+def alt_choose_chunk_budget(prefill_tokens_per_s, decode_step_s, max_gap_s):
+    """The same model of a step, rounded down to a multiple of 16."""
+    tokens = (max_gap_s - decode_step_s) * prefill_tokens_per_s / 1.1
+    return max(16, int(tokens) // 16 * 16)
+
+
 ALTERNATIVES = {
     "decode_attention": alt_decode_attention,
     "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
@@ -214,7 +238,8 @@ ALTERNATIVES = {
     "block_hashes": alt_block_hashes, "longest_cache_hit": alt_longest_cache_hit,
     "timing_attack": alt_timing_attack,
     "max_num_seqs": alt_max_num_seqs, "rag_layout": alt_rag_prompt,
-    "salt_scheme": alt_cache_salt_for,
+    "salt_scheme": alt_cache_salt_for, "kv_pool_size": alt_kv_pool_for,
+    "fork_pool_size": alt_fork_pool_for, "chunk_budget": alt_choose_chunk_budget,
 }
 
 
@@ -471,6 +496,25 @@ BUGS = [
     ("salt_scheme", lambda tenant, requested_salt: requested_salt or tenant, "stolen"),
     ("salt_scheme", lambda tenant, requested_salt: "shared", "stolen"),
     ("salt_scheme", lambda tenant, requested_salt: "", "non-empty str"),
+    ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
+        "contiguous": len(prompt_lens) * max_model_len,
+        "paged": sum(-(-(p + output_len) // block_size) for p in prompt_lens) * block_size},
+     "three other bursts"),  # counts a K/V for the last token too
+    ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
+        "contiguous": sum(p + output_len for p in prompt_lens),
+        "paged": sum(p + output_len - 1 for p in prompt_lens)}, "three other bursts"),  # tokens
+    ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
+        "contiguous": 1536, "paged": 704}, "three other bursts"),  # this burst's numbers only
+    ("fork_pool_size", lambda prompt_len, n, max_tokens, block_size:
+     n * -(-(prompt_len + max_tokens - 1) // block_size) * block_size, "five other prompts"),
+    ("fork_pool_size", lambda prompt_len, n, max_tokens, block_size:  # partial block shared
+     (-(-prompt_len // block_size) + n * (-(-(prompt_len + max_tokens - 1) // block_size)
+                                          - -(-prompt_len // block_size))) * block_size,
+     "five other prompts"),
+    ("chunk_budget", lambda rate, step, target: int(rate * target), "three other machines"),
+    ("chunk_budget", lambda rate, step, target: 256, "three other machines"),
+    ("chunk_budget", lambda rate, step, target: 16, "three other machines"),
+    ("chunk_budget", lambda rate, step, target: 8, "three other machines"),
     ("paged_attention", attention_gqa_modulo, "grouped-query"),
     ("paged_attention", attention_whole_blocks, "partly filled"),
 ]

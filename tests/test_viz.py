@@ -98,3 +98,46 @@ def test_peers_figure_labels_every_bar():
     assert [round(b.get_height()) for b in right.patches] == [700, 2000, 420]
     assert "60% of the limit" in right.get_title()
     plt.close(fig)
+
+
+def _log_tick_labels(fig) -> list[str]:
+    """The visible tick labels of every log-scaled axis of a drawn figure."""
+    fig.canvas.draw()
+    labels = []
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale == "log":
+                lo, hi = sorted(axis.get_view_interval())
+                labels += [t.get_text() for t in axis.get_ticklabels()
+                           if t.get_text() and lo <= t.get_position()[axis is ax.yaxis] <= hi]
+    return labels
+
+
+def test_log_axes_are_labelled_in_plain_numbers():
+    """No 10^n or 2^n on any log axis a chapter shows: the labels read as numbers, and each
+    log axis has at least two of them, so a reader can place a point without counting decades."""
+    from kvlab.bench.scheduling import StallRun
+
+    lengths = sim.request_lengths(100, 10, 512, seed=0)
+    rows = [{"server": "default", "concurrency": c, "tok_s": 10.0 * c,
+             "tok_s_spread": [9.0 * c, 11.0 * c], "ttft_median_ms": 5.0 * c, "preemptions": 0}
+            for c in (1, 4, 16)]
+    stall = [StallRun(b, [0.0, 0.1, 0.5, 0.6, 2.4, 2.5], 0.15, 2.3, 1.8, 3) for b in (64, None)]
+    attack = [{"a_sent": i % 2 == 0, "ttft_ms": 30.0 + 300 * (i % 2), "cached": 0}
+              for i in range(6)]
+    cold_warm = [{"enable_prefix_caching": on, "prefix_len": 2048, "tail_len": 32,
+                  "cold_ttft_ms": 2332.2, "warm_ttft_ms": 69.2 if on else 2242.1,
+                  "warm_ttft_ms_range": [60.0, 80.0] if on else [2200.0, 2300.0],
+                  "speedup": 33.7 if on else 1.04} for on in (True, False)]
+    figs = {"block size": viz.plot_block_size_tradeoff(lengths, 16),
+            "concurrency": viz.plot_concurrency(rows), "stall": viz.plot_stall(stall),
+            "attack": viz.plot_ttft_attack({"rows": attack, "threshold_ms": 100.0,
+                                            "salted": False, "accuracy": 1.0}).figure,
+            "cold/warm": viz.plot_cold_warm_ttft(cold_warm).figure}
+    for name, fig in figs.items():
+        labels = _log_tick_labels(fig)
+        assert len(labels) >= 2, (name, labels)
+        for label in labels:
+            assert "$" not in label and "^" not in label, (name, label)
+            float(label.replace(",", ""))  # a plain number
+        plt.close(fig)

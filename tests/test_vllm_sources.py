@@ -52,3 +52,63 @@ def test_every_listed_path_exists_in_the_vllm_wheel():
         names = set(zipfile.ZipFile(source).namelist())
     missing = sorted(p for p in listed_paths() if p not in names)
     assert not missing, f"not in vLLM {VLLM_VERSION}: {missing}"
+
+
+# ---- the quoted lines ------------------------------------------------------------------------
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+FENCE_RE = re.compile(r"```(?:python)?\n(.*?)```", re.S)
+# A blockquote of one backticked line of code, then the file it comes from on the next line.
+QUOTE_RE = re.compile(r"^\s*> `(.+)`\s*\n\s*> \(`(vllm/[A-Za-z0-9_/]+\.py)`", re.M)
+
+
+def quoted_lines() -> list[tuple[str, int, str, str]]:
+    """(notebook, cell, cited file, line) for every line of vLLM code a chapter quotes: each
+    fenced block in markdown, whose file is the last vLLM path named before it in that cell,
+    and each one-line blockquote followed by its file."""
+    import json
+
+    out = []
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] != "markdown":
+                continue
+            text = "".join(cell["source"])
+            for m in FENCE_RE.finditer(text):
+                cited = PATH_RE.findall(text[:m.start()])
+                assert cited, f"{path.stem} cell {i}: a quoted block names no vLLM file before it"
+                for line in m.group(1).splitlines():
+                    if line.strip() and line.strip() != "...":
+                        out.append((path.stem, i, cited[-1], line.strip()))
+            for m in QUOTE_RE.finditer(text):
+                out.append((path.stem, i, m.group(2), m.group(1).strip()))
+    return out
+
+
+def test_the_chapters_quote_vllm_code():
+    """The extraction below finds the quotes it is meant to check (so it cannot pass on none)."""
+    quotes = quoted_lines()
+    assert len({(nb, cell) for nb, cell, _, _ in quotes}) >= 6
+    assert any(f == "vllm/v1/core/sched/scheduler.py" for _, _, f, _ in quotes)
+
+
+def test_every_quoted_vllm_line_is_in_the_cited_file_of_the_wheel():
+    source = os.environ.get("KVLAB_VLLM_WHEEL")
+    if not source:
+        pytest.skip(f"KVLAB_VLLM_WHEEL is not set: the vLLM {VLLM_VERSION} wheel is not at hand, "
+                    "so the quoted lines were not checked against it")
+    source = Path(source)
+    archive = None if source.is_dir() else zipfile.ZipFile(source)
+
+    def read(name: str) -> str:
+        if archive is None:
+            return (source / name).read_text(encoding="utf-8")
+        return archive.read(name).decode("utf-8")
+
+    files: dict[str, set[str]] = {}
+    missing = []
+    for notebook, cell, cited, line in quoted_lines():
+        if cited not in files:
+            files[cited] = {ln.strip() for ln in read(cited).splitlines()}
+        if line not in files[cited]:
+            missing.append(f"{notebook} cell {cell}: {line!r} is not a line of {cited}")
+    assert not missing, "\n".join(missing)

@@ -136,15 +136,47 @@ def test_render_fills_the_minutes_column_and_the_summary_only():
 def test_execute_records_times_and_rewrites_the_docs(tmp_path, monkeypatch):
     """The script's bookkeeping, with the notebook run replaced (executing is nbclient's job)."""
     script = load_script()
-    monkeypatch.setattr(script, "execute", lambda path: 78.0)
+    monkeypatch.setattr(script, "execute", lambda path: (78.0, 1536.4))
     doc = tmp_path / "GUIDE.md"
-    doc.write_text("| notebook | minutes here |\n|---|---|\n| `03_x` | – |\n")
+    doc.write_text("| notebook | minutes here | peak GB here |\n|---|---|---|\n| `03_x` | – | – |\n")
     timings = tmp_path / "timings.json"
     script.main([str(tmp_path / "03_x.ipynb"), "--timings", str(timings), "--docs", str(doc)])
     saved = json.loads(timings.read_text())
     assert saved["notebooks"]["03_x"]["seconds"] == 78.0
     assert "cores" in saved["machine"] and "load_1min_before" in saved["notebooks"]["03_x"]
-    assert "| `03_x` | 1.3 |" in doc.read_text()
+    assert saved["notebooks"]["03_x"]["peak_mib"] == 1536
+    assert "| `03_x` | 1.3 | 1.5 |" in doc.read_text()
+
+
+def test_render_fills_the_peak_memory_column_and_its_total_is_the_largest():
+    script = load_script()
+    doc = ("| notebook | minutes here | peak GB here |\n|---|---|---|\n| `00_a` | – | – |\n"
+           "| `01_b` | – | – |\n| `02_c` | – | – |\n| **total** | – | – |\n")
+    runs = {"00_a": {"seconds": 60.0, "date": "2026-12-01", "peak_mib": 1740},
+            "01_b": {"seconds": 30.0, "date": "2026-12-01", "peak_mib": 2560},
+            "02_c": {"seconds": 30.0, "date": "2026-12-01"}}  # measured before peaks were
+    out = script.render(doc, {"machine": "m", "notebooks": runs})
+    assert "| `00_a` | 1.0 | 1.7 |" in out and "| `01_b` | 0.5 | 2.5 |" in out
+    assert "| `02_c` | 0.5 | – |" in out
+    assert "| **total** | 2.0 | 2.5 |" in out
+
+
+def test_the_kernel_peak_is_read_from_the_running_kernel():
+    """What execute() records: the peak resident memory of a live process, by its pid."""
+    import os
+    import types
+
+    script = load_script()
+    me = types.SimpleNamespace(km=types.SimpleNamespace(
+        provisioner=types.SimpleNamespace(pid=os.getpid())))
+    peak = script.kernel_peak_mib(me)
+    if not Path("/proc/self/status").exists():
+        assert peak is None
+        return
+    assert peak > 10  # this test process: more than 10 MiB resident at its peak
+    gone = types.SimpleNamespace(km=types.SimpleNamespace(provisioner=types.SimpleNamespace(
+        pid=2**22 + 7)))
+    assert script.kernel_peak_mib(gone) is None
 
 
 # ---- make lab ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ def print_json(row) -> None:
 
 
 def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
-    """Issue 4's targets in one run: throughput ratios, the stall at budget 128 against no
+    """Chapters 03-04's measurements in one run: throughput ratios, the stall at budget 128 against no
     chunking with its linear fit over budgets, and the engine overhead at 64 running."""
     out = {"throughput": scheduling.throughput_targets(repeats=repeats, model=model)}
     print_json(out["throughput"])
@@ -35,7 +35,7 @@ def scheduling_targets(repeats: int = 3, model: str | None = None) -> dict:
 
 
 def prefix_targets(model: str | None = None) -> dict:
-    """Issue 5's targets in one run: warm vs cold TTFT for a 2,048-token prefix + 32-token
+    """Chapters 05-06's measurements in one run: warm vs cold TTFT for a 2,048-token prefix + 32-token
     tails, the throughput cost with no shared prefix, the attack with and without salts."""
     out = {"cold_warm": prefix.cold_warm_ttft(2048, 32, model=model)}
     print_json(out["cold_warm"])

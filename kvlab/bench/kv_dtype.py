@@ -1,4 +1,4 @@
-"""KV density by precision (issue 23): what each kv_cache_dtype buys and what it costs.
+"""KV density by precision: what each kv_cache_dtype buys and what it costs.
 
     python -m kvlab.bench kv-dtype                      # every precision, side by side
 

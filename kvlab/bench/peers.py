@@ -1,4 +1,4 @@
-"""Peers side by side, and this machine's ceiling (issue 6).
+"""Peers side by side, and this machine's ceiling.
 
 - transformers `generate` (static, padded) and `generate_batch` (its continuous batching with
   paged attention) against kvlab, same prompts, same weights, useful output tokens per second;
@@ -95,7 +95,7 @@ def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5,
     """This machine's matmul rate (FLOP/s, in the model's dtype) and memory bandwidth (bytes/s),
     best of runs; on a GPU, its own rate and bandwidth (a bigger matmul keeps it busy).
 
-    `matmul_flops` is torch.mm's rate (the ceiling's rate since issue 6). `peak_matmul_flops`
+    `matmul_flops` is torch.mm's rate. `peak_matmul_flops`
     is the fastest matmul measured: on a CPU in fp32 also oneDNN's packed linear, the kernel the
     model's own matmuls run on (model.fused_linear), measured here at 2-2.5x torch.mm. The
     bandwidth is a copy's bytes read plus written per second."""

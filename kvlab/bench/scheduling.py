@@ -150,7 +150,7 @@ def gantt_runs(num_requests: int = 8, max_num_seqs: int = 4, input_len: int = 32
 
 def throughput_targets(num_requests: int = 16, input_lens=(64, 128), output_lens=(96, 128),
                        repeats: int = 3, model: str | None = None) -> dict:
-    """Issue 4's targets, side by side in one run on a mixed-length workload:
+    """Throughput side by side in one run on a mixed-length workload:
     continuous batching vs `max_num_seqs=1`, and vs transformers `generate` (static, padded,
     run to the longest output; only requested tokens count as useful)."""
     loaded = load_model(model)

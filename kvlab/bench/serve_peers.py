@@ -100,8 +100,8 @@ def format_table(rows: list[dict]) -> str:
 
 def targets(rows: list[dict], ours: str = "kvlab serve", peer: str = "transformers serve",
             throughput_at=(8, 16), ttft_at: int = 1) -> dict:
-    """Issue 15's targets: ours ahead on output tokens/s at `throughput_at`, and no worse on
-    the TTFT median at `ttft_at`. A level either server lacks is left out; `met` is None when
+    """Whether ours is ahead on output tokens/s at `throughput_at`, and no worse on the TTFT
+    median at `ttft_at`. A level either server lacks is left out; `met` is None when
     nothing could be compared."""
     by = {(r["server"], r["concurrency"]): r for r in rows}
     out: dict = {"throughput_ratio": {}, "ttft_ratio": None}

@@ -26,7 +26,10 @@ Exercises, by chapter:
     06 timing_attack       read a cache hit off the clock
 
 Challenges (kind "challenge": a decision, measured on the real model against the best one):
+    01 kv_pool_size        the smallest KV pool for a burst, contiguous and paged
+    02 fork_pool_size      the smallest KV pool for n forked samples
     03 max_num_seqs        the concurrency limit for a KV budget
+    04 chunk_budget        the token budget that keeps a decode's worst gap under a target
     05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
     06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 from kvlab.exercises import (
     challenges,
+    challenges_pool,
     ch00_attention,
     ch01_block_pool,
     ch01_paged_attention,
@@ -51,9 +55,11 @@ from kvlab.exercises._report import CheckResult
 EXERCISES: dict[str, Exercise] = {
     ex.name: ex
     for group in (ch00_attention.EXERCISES, ch01_block_pool.EXERCISES,
-                  ch01_paged_attention.EXERCISES, ch02_copy_on_write.EXERCISES,
+                  ch01_paged_attention.EXERCISES, challenges_pool.EXERCISES_01,
+                  ch02_copy_on_write.EXERCISES, challenges_pool.EXERCISES_02,
                   ch03_scheduling.EXERCISES, challenges.EXERCISES_03,
-                  ch04_chunked_prefill.EXERCISES, ch05_prefix_caching.EXERCISES,
+                  ch04_chunked_prefill.EXERCISES, challenges.EXERCISES_04,
+                  ch05_prefix_caching.EXERCISES,
                   challenges.EXERCISES_05, ch06_cache_salt.EXERCISES, challenges.EXERCISES_06)
     for ex in group
 }

@@ -7,8 +7,11 @@ and why. A do-nothing answer (the stub) is "not done yet"; a choice that breaks 
 fails with what it cost.
 
     03 max_num_seqs   the concurrency limit that keeps a burst unpreempted at full speed
+    04 chunk_budget   the token budget that keeps a decode's worst gap under a target
     05 rag_layout     the order of a RAG prompt's parts that the prefix cache reuses most
     06 salt_scheme    the salt a server attaches, so that a stolen salt string opens nothing
+
+The chapters 01 and 02 challenges size the KV pool: `challenges_pool`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import time
 
 from kvlab.exercises import _engine
-from kvlab.exercises._common import Case, Exercise, Mismatch
+from kvlab.exercises._common import Case, Exercise, Mismatch, Skip
 from kvlab.sampling import RequestOutputKind, SamplingParams
 
 # ---- 03: max_num_seqs for a KV budget ------------------------------------------------------------
@@ -147,6 +150,135 @@ MAX_NUM_SEQS = Exercise(
         Case("real model: 16 requests of 24 + 8 tokens in a 256-token pool, yours beside the "
              "best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above.",
              real_model=True, timeout_s=600),
+    ],
+)
+
+
+# ---- 04: the token budget for a worst-gap target ------------------------------------------------
+CHUNK_LONG_LEN = 512  # the inserted prompt (chapter 04 uses 1,024; half keeps the check short)
+CHUNK_REF_BUDGET = 256  # the target below is set so that the reference rule gives this budget
+SLOPE_OVER_RATE = 1.1  # a late chunk's token costs more than a fresh prompt's (chapter 04's fit;
+# the reference solution below writes the same 1.1, so that its pasted source runs alone)
+MIN_BUDGET = 16
+
+
+def choose_chunk_budget(prefill_tokens_per_s, decode_step_s, max_gap_s):
+    """The largest token budget whose worst decode gap stays under max_gap_s."""
+    # The decode's worst gap is one step that carries a whole chunk and the decode: about
+    # decode_step_s + budget / rate, steeper than the fresh-prompt rate because a late chunk
+    # attends to every earlier token of its prompt (chapter 04's fit). The largest budget under
+    # the target cuts the prompt into the fewest chunks: the long prompt's TTFT is then the
+    # shortest the target allows, since each extra step pays the decode step again.
+    slope_over_rate = 1.1  # the fit's slope came out about 1.1x the fresh-prompt prediction
+    return max(16, int((max_gap_s - decode_step_s) * prefill_tokens_per_s / slope_over_rate))
+
+
+CHUNK_STUB = """def choose_chunk_budget(prefill_tokens_per_s, decode_step_s, max_gap_s):
+    \"\"\"Return max_num_batched_tokens (an int >= 16) for a server where one request decodes
+    while a long prompt arrives: the decode's worst gap between two tokens must stay under
+    max_gap_s, and the long prompt's TTFT must be as short as that allows.
+    prefill_tokens_per_s: this machine's prefill rate on fresh prompts (as measured above);
+    decode_step_s: how long a step with only the decode takes. The check measures both here,
+    then runs a 512-token prompt into a decode with your budget and with the best one.\"\"\"
+    raise NotImplementedError("your turn")
+"""
+
+
+def _budget(impl, rate, decode_step, target) -> int:
+    value = impl(rate, decode_step, target)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Mismatch("an int", repr(value))
+    if value < MIN_BUDGET:
+        raise Mismatch(f"a budget of at least {MIN_BUDGET} tokens", f"{value}: the long prompt "
+                       f"would take over {CHUNK_LONG_LEN // MIN_BUDGET} steps")
+    return value
+
+
+def _chunk_arithmetic(impl) -> None:
+    """Other machines and targets (a constant cannot pass): under the target by the chapter's
+    model of a step, and not so far under it that the prompt needs many more chunks."""
+    for rate, step, target in [(500.0, 0.10, 0.6), (20000.0, 0.004, 0.05), (1500.0, 0.03, 0.3)]:
+        got = _budget(impl, rate, step, target)
+        best = choose_chunk_budget(rate, step, target)
+        predicted = step + got * SLOPE_OVER_RATE / rate
+        if got > best * 1.05:
+            raise Mismatch(f"at most about {best} tokens at {rate:.0f} tok/s, a {1000 * step:.0f} "
+                           f"ms decode step and a {1000 * target:.0f} ms target",
+                           f"{got}: a step would take about {1000 * predicted:.0f} ms",
+                           "the step that carries a chunk carries the decode too")
+        if got < best * 0.6:
+            raise Mismatch(f"close to {best} tokens at {rate:.0f} tok/s, a {1000 * step:.0f} ms "
+                           f"decode step and a {1000 * target:.0f} ms target",
+                           f"{got}: more chunks than the target needs, each paying a step")
+
+
+def _chunk_measured(impl) -> str:
+    from kvlab.bench import scheduling
+
+    rate = scheduling.prefill_rate((128, 256, 512))["tokens_per_s"]
+
+    def trials(budget):  # the least disturbed of three runs: a busy core only adds time
+        return min(scheduling.chunked_prefill_trials(budget, CHUNK_LONG_LEN, repeats=3),
+                   key=lambda r: r.max_gap)
+
+    ref = trials(CHUNK_REF_BUDGET)
+    decode_step = min(b - a for a, b in zip(ref.decode_times, ref.decode_times[1:]))
+    target = decode_step + CHUNK_REF_BUDGET * SLOPE_OVER_RATE / rate
+    chosen = _budget(impl, rate, decode_step, target)
+    mine = ref if chosen == CHUNK_REF_BUDGET else trials(chosen)
+    margin = 1.15  # a timing on a shared CPU: the stated margin for both gap and TTFT
+    verdict = (f"target {1000 * target:.0f} ms (rate {rate:.0f} tok/s, decode step "
+               f"{1000 * decode_step:.0f} ms); yours (budget {chosen}): worst gap "
+               f"{1000 * mine.max_gap:.0f} ms, TTFT {1000 * mine.inserted_ttft:.0f} ms in "
+               f"{mine.chunks} chunks; best ({CHUNK_REF_BUDGET}): {1000 * ref.max_gap:.0f} ms, "
+               f"{1000 * ref.inserted_ttft:.0f} ms in {ref.chunks} chunks")
+    if ref.max_gap > margin * target:
+        raise Skip(f"the reference missed its own target on this machine ({verdict}): the "
+                   f"timings are too noisy to judge a budget now")
+    if mine.max_gap > margin * target:
+        raise Mismatch(f"a worst gap under {1000 * target:.0f} ms (+{margin - 1:.0%})", verdict,
+                       "the step with a chunk also carries the decode, and a late chunk's "
+                       "tokens cost more than a fresh prompt's (chapter 04's fit)")
+    if mine.inserted_ttft > margin * ref.inserted_ttft:
+        raise Mismatch(f"a TTFT within {margin - 1:.0%} of the best budget's", verdict,
+                       "more chunks than the target needs: every step pays the decode step")
+    return verdict + " (least disturbed of three runs each, side by side)"
+
+
+CHUNK_BUDGET = Exercise(
+    name="chunk_budget",
+    chapter="04_chunked_prefill",
+    title="the token budget for a gap target",
+    kind="challenge",
+    prompt=(
+        "Choose max_num_batched_tokens for a server where decodes must never wait longer than "
+        "a target between two tokens, while long prompts still start as soon as that allows. "
+        "Too large a budget and the step with a chunk breaks the target; too small and the "
+        "prompt needs more steps, each paying for the decode again. The check measures this "
+        "machine's prefill rate and decode step, gives them to your function with a target, "
+        "and runs a 512-token prompt into a decode with your budget and the best one."
+    ),
+    full_version=(
+        "vLLM 0.33.0 picks its default budget by the GPU and by LLM class or API server "
+        "(EngineArgs.get_batch_defaults in vllm/engine/arg_utils.py). A server has many "
+        "decodes per step (chapter 03), so a step's decode part grows with the batch, and the "
+        "worst gap with it. vLLM's long_prefill_token_threshold (vllm/config/scheduler.py; 0, off, by "
+        "default) caps one long prompt's share of a step, so that several prompts are chunked "
+        "side by side instead of one taking the whole budget."
+    ),
+    stub=CHUNK_STUB,
+    hint=(
+        "From the fit above: a step that carries a chunk of B tokens and the decode takes about "
+        "decode_step_s + B / rate, and a little more per token than the fresh-prompt rate says. "
+        "Solve for the largest B under max_gap_s."
+    ),
+    solution=choose_chunk_budget,
+    cases=[
+        Case("three other machines and targets, by the chapter's model of a step",
+             _chunk_arithmetic, "Subtract the decode step before dividing by the rate."),
+        Case("real model: a 512-token prompt into a decode, your budget beside the best",
+             _chunk_measured, "Compare the worst gaps and TTFTs printed above.",
+             real_model=True, timeout_s=300),
     ],
 )
 
@@ -370,5 +502,6 @@ SALT_SCHEME = Exercise(
 )
 
 EXERCISES_03 = [MAX_NUM_SEQS]
+EXERCISES_04 = [CHUNK_BUDGET]
 EXERCISES_05 = [RAG_LAYOUT]
 EXERCISES_06 = [SALT_SCHEME]
