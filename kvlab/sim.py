@@ -25,7 +25,9 @@ class SimResult:
     running_per_step: list[int] = field(default_factory=list)
     utilisation_per_step: list[float] = field(default_factory=list)  # tokens held / total slots
     num_preemptions: int = 0
-    num_steps: int = 0
+    num_recomputed_tokens: int = 0  # tokens a preempted request had, computed again later
+    num_steps: int = 0  # steps until every request finished
+    steps: list[int] = field(default_factory=list)  # the step of each recorded entry above
 
     @property
     def mean_running(self) -> float:
@@ -102,6 +104,7 @@ def simulate(
             if layout == "paged" and tokens[r] % block_size == 0:
                 while free_blocks < 1:
                     victim = running.pop()  # the newest request gives way
+                    result.num_recomputed_tokens += tokens[victim]
                     free_blocks += held_blocks[victim]
                     held_blocks[victim], tokens[victim] = 0, 0
                     waiting.insert(0, victim)
@@ -114,6 +117,7 @@ def simulate(
                 held_blocks[r] += 1
             tokens[r] += 1
         if waiting:
+            result.steps.append(result.num_steps)
             result.running_per_step.append(len(running))
             result.utilisation_per_step.append(sum(tokens[r] for r in running) / total_slots)
         # Finished requests free their memory at once.

@@ -168,16 +168,32 @@ def format_block_tables(block_tables: dict[str, list[int]], max_entries: int = 1
     return "\n".join(lines)
 
 
+def _with_gaps(steps: list[int], values: list[float]) -> tuple[list, list]:
+    """Break a line where recorded steps are not consecutive (matplotlib skips a NaN)."""
+    xs, ys = [], []
+    for i, (x, y) in enumerate(zip(steps, values)):
+        if i and x != steps[i - 1] + 1:
+            xs.append(float("nan"))
+            ys.append(float("nan"))
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
 def plot_sim(contiguous: SimResult, paged: SimResult):
-    """Requests running at once, step by step, for the two allocators."""
+    """Requests running at once, and the pool's share holding tokens, on one step axis, drawn
+    only at the steps with requests waiting (where memory, not arrivals, sets the batch)."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
     for res, c in ((contiguous, "tab:red"), (paged, "tab:blue")):
-        ax1.plot(res.running_per_step, color=c, label=f"{res.layout} (mean {res.mean_running:.1f})")
-        ax2.plot([u * 100 for u in res.utilisation_per_step], color=c,
-                 label=f"{res.layout} (mean {res.mean_utilisation:.0%})")
-    ax1.set_xlabel("step")
+        steps = res.steps or list(range(len(res.running_per_step)))
+        # A dot per recorded step too: a step alone between gaps draws no line.
+        ax1.plot(*_with_gaps(steps, res.running_per_step), ".-", ms=2, lw=1, color=c,
+                 label=f"{res.layout} (mean {res.mean_running:.1f})")
+        ax2.plot(*_with_gaps(steps, [u * 100 for u in res.utilisation_per_step]), ".-", ms=2,
+                 lw=1, color=c, label=f"{res.layout} (mean {res.mean_utilisation:.0%})")
+    ax1.set_xlabel("step (drawn while requests wait)")
     ax1.set_ylabel("requests running")
-    ax2.set_xlabel("step")
+    ax2.set_xlabel("step (drawn while requests wait)")
     ax2.set_ylabel("pool holding real tokens (%)")
     for ax in (ax1, ax2):
         ax.legend(fontsize=8)
@@ -497,20 +513,22 @@ def plot_cold_warm_ttft(runs: list[dict], ax=None):
             ax.bar(i + dx, value, width, color=colour, yerr=err, capsize=3,
                    label=label if i == 0 else None)
             top = value if err is None else max(value, hi)  # above the whisker, if any
-            ax.text(i + dx, top * 1.12, f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms",
-                    ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms", (i + dx, top),
+                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
+                        fontsize=8)
     ax.set_xticks(range(len(runs)), [
         f"{'caching on' if r['enable_prefix_caching'] else 'caching off'}\n"
         f"first / later = {r['speedup']:g}x" for r in runs])
-    ax.set_yscale("log")
-    plain_log_ticks(ax.yaxis)
-    ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the labels
+    # A linear axis (a bar's length is its value): the warm bar is short, and its label says
+    # how short.
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.4)  # room for the labels and the legend above them
     ax.set_ylabel("TTFT (ms)")
     first = runs[0]
     ax.set_title(f"{first['prefix_len']:,}-token shared prefix + {first['tail_len']}-token "
                  "tails", fontsize=9)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     ax.grid(alpha=0.3, axis="y")
+    ax.figure.tight_layout()
     return ax
 
 
@@ -604,7 +622,8 @@ def draw_free_queue(snapshots: list[dict], ax=None):
 def plot_peers(peers: dict, ceiling: dict):
     """Left: useful output tokens/s of kvlab and its peers on one workload (compare_peers).
     Right: kvlab's decode rate at the ceiling's batch against this machine's two limits
-    (ceiling_fraction): the arithmetic at the matmul rate and the bytes at the bandwidth."""
+    (ceiling_fraction): the arithmetic at the fastest matmul measured and the bytes at the
+    bandwidth."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.4), width_ratios=(3, 2))
     names = list(peers["rows"])
     rates = [peers["rows"][n]["useful_tok_s"] for n in names]

@@ -218,15 +218,17 @@ def alt_kv_pool_for(prompt_lens, output_len, block_size, max_model_len):
 
 def alt_fork_pool_for(prompt_len, n, max_tokens, block_size):
     """Blocks held at the end: the full prompt blocks once, each sample's tail (its copy of the
-    partial block included) n times."""
+    partial block included) n times; with one token nobody writes, so the prompt's blocks."""
+    if max_tokens < 2:
+        return math.ceil(prompt_len / block_size) * block_size
     full = prompt_len // block_size
     tail_tokens = prompt_len + max_tokens - 1 - full * block_size
     return (full + n * math.ceil(tail_tokens / block_size)) * block_size
 
 
 def alt_choose_chunk_budget(prefill_tokens_per_s, decode_step_s, max_gap_s):
-    """The same model of a step, rounded down to a multiple of 16."""
-    tokens = (max_gap_s - decode_step_s) * prefill_tokens_per_s / 1.1
+    """The same model of a step, with a 5% safety margin, rounded down to a multiple of 16."""
+    tokens = 0.95 * (max_gap_s - decode_step_s) * prefill_tokens_per_s
     return max(16, int(tokens) // 16 * 16)
 
 
@@ -499,22 +501,22 @@ BUGS = [
     ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
         "contiguous": len(prompt_lens) * max_model_len,
         "paged": sum(-(-(p + output_len) // block_size) for p in prompt_lens) * block_size},
-     "three other bursts"),  # counts a K/V for the last token too
+     "four other bursts"),  # counts a K/V for the last token too
     ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
         "contiguous": sum(p + output_len for p in prompt_lens),
-        "paged": sum(p + output_len - 1 for p in prompt_lens)}, "three other bursts"),  # tokens
+        "paged": sum(p + output_len - 1 for p in prompt_lens)}, "four other bursts"),  # tokens
     ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
-        "contiguous": 1536, "paged": 704}, "three other bursts"),  # this burst's numbers only
+        "contiguous": 1536, "paged": 704}, "four other bursts"),  # this burst's numbers only
     ("fork_pool_size", lambda prompt_len, n, max_tokens, block_size:
-     n * -(-(prompt_len + max_tokens - 1) // block_size) * block_size, "five other prompts"),
+     n * -(-(prompt_len + max_tokens - 1) // block_size) * block_size, "seven other prompts"),
     ("fork_pool_size", lambda prompt_len, n, max_tokens, block_size:  # partial block shared
      (-(-prompt_len // block_size) + n * (-(-(prompt_len + max_tokens - 1) // block_size)
                                           - -(-prompt_len // block_size))) * block_size,
-     "five other prompts"),
-    ("chunk_budget", lambda rate, step, target: int(rate * target), "three other machines"),
-    ("chunk_budget", lambda rate, step, target: 256, "three other machines"),
-    ("chunk_budget", lambda rate, step, target: 16, "three other machines"),
-    ("chunk_budget", lambda rate, step, target: 8, "three other machines"),
+     "seven other prompts"),
+    ("chunk_budget", lambda rate, step, target: int(rate * target), "four other machines"),
+    ("chunk_budget", lambda rate, step, target: 256, "four other machines"),
+    ("chunk_budget", lambda rate, step, target: 16, "four other machines"),
+    ("chunk_budget", lambda rate, step, target: 8, "four other machines"),
     ("paged_attention", attention_gqa_modulo, "grouped-query"),
     ("paged_attention", attention_whole_blocks, "partly filled"),
 ]

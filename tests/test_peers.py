@@ -56,3 +56,18 @@ def test_compare_peers_short_warmup_times_the_checked_run(monkeypatch):
         peers.compare_peers(repeats=0)
     with pytest.raises(ValueError, match="warmup"):
         peers.compare_peers(warmup="none")
+
+
+def test_the_ceiling_is_at_the_fastest_matmul_measured(monkeypatch, loaded):
+    """The honest ceiling: the arithmetic limit at the fastest kernel measured (oneDNN's packed
+    one on a CPU), never torch.mm's slower rate, whose fraction is only reported beside."""
+    from kvlab.bench import peers
+
+    rates = {"matmul_flops": 1e10, "peak_matmul_flops": 4e10, "bandwidth_bytes": 1e12}
+    monkeypatch.setattr(peers, "machine_rates", lambda **_: rates)
+    got = peers.ceiling_fraction(batch=2, input_len=8, output_len=4)
+    context = 8 + 4 // 2
+    assert got["ceiling"] == decode_ceiling(2, context, dict(rates, matmul_flops=4e10))
+    assert got["matmul_gflops"] == 40.0 and got["torch_mm_gflops"] == 10.0
+    # A higher ceiling leaves kvlab a smaller share of it.
+    assert got["fraction_of_ceiling"] < got["fraction_of_torch_mm_ceiling"]

@@ -39,3 +39,19 @@ def test_waste_breakdown_adds_up():
     w = waste_breakdown({"a": 16}, {"a": 5}, {"a": 9}, free_slots=8, usable_free_slots=0)
     assert w == {"tokens": 5, "reservation": 4, "internal": 7, "external": 8, "free (usable)": 0}
     assert sum(w.values()) == 16 + 8
+
+
+def test_simulation_counts_preemption_work_and_records_steps_on_one_axis():
+    """Paged admits everyone while a block is free, then preempts: the recomputed tokens are
+    counted; the recorded entries carry their own step numbers (increasing, within the run)."""
+    from kvlab import sim
+
+    lengths = sim.request_lengths(100, 10, 512, seed=0)
+    c, p = sim.simulate(lengths, "contiguous"), sim.simulate(lengths, "paged")
+    assert c.num_preemptions == 0 and c.num_recomputed_tokens == 0
+    assert p.num_preemptions > 0 and 0 < p.num_recomputed_tokens < p.num_preemptions * 512
+    for res in (c, p):
+        assert len(res.steps) == len(res.running_per_step) == len(res.utilisation_per_step)
+        assert res.steps == sorted(set(res.steps)) and res.steps[-1] < res.num_steps
+    assert c.steps == list(range(len(c.steps)))  # contiguous waits from step 0, without a gap
+    assert p.steps[0] > 0  # paged admits all 100 at step 0: its queue fills only by preemption

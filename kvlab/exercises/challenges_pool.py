@@ -102,13 +102,15 @@ def _pools(impl, prompt_lens, output_len, block_size, max_model_len) -> dict:
 
 def _pool_arithmetic(impl) -> None:
     """Other bursts, block sizes and context lengths, so that two constants cannot pass."""
+    # The last: each request's K/V ends one token past a block edge (one token of output).
     for lens, out, bs, max_len in [([10] * 4, 5, 8, 64), ([100, 3, 64], 28, 32, 256),
-                                   ([17, 16, 31], 16, 16, 48)]:
+                                   ([17, 16, 31], 16, 16, 48), ([17, 33, 49], 1, 16, 64)]:
         got, best = _pools(impl, lens, out, bs, max_len), kv_pool_for(lens, out, bs, max_len)
         for layout in ("contiguous", "paged"):
             _within(got[layout], best[layout], f"{layout}, prompts of {lens} tokens, "
                     f"{out} new tokens each, blocks of {bs}, max_model_len {max_len}",
-                    "some request runs out of blocks before it finishes")
+                    "below the smallest pool that works: some request would run out of "
+                    "blocks (the real-model case runs one)")
 
 
 def _pool_measured(impl) -> str:
@@ -171,7 +173,7 @@ KV_POOL_SIZE = Exercise(
     ),
     solution=kv_pool_for,
     cases=[
-        Case("three other bursts, by the arithmetic", _pool_arithmetic,
+        Case("four other bursts, by the arithmetic", _pool_arithmetic,
              "Count whole blocks per request, then tokens: blocks x block_size."),
         Case("real model: 12 requests, both layouts, with your pools", _pool_measured,
              "Compare the running and preempted counts printed above.", real_model=True,
@@ -190,8 +192,10 @@ def fork_pool_for(prompt_len, n, max_tokens, block_size):
     # The prompt's full blocks are shared by every sample, once. Its partly filled last block
     # is shared too until each sample's first write copies it, so every sample ends with its
     # own copy of it, plus the blocks it fills itself. A sample's last token has no K/V.
+    if max_tokens == 1:  # the one token comes from the prefill: no sample writes, none copies
+        return -(-prompt_len // block_size) * block_size  # -(-a // b): a / b rounded up
     shared = prompt_len // block_size
-    own = -(-(prompt_len + max_tokens - 1) // block_size) - shared  # -(-a // b): rounded up
+    own = -(-(prompt_len + max_tokens - 1) // block_size) - shared
     return (shared + n * own) * block_size
 
 
@@ -210,11 +214,13 @@ def _fork_pool(impl, **workload) -> int:
 
 def _fork_arithmetic(impl) -> None:
     """Other prompts, sample counts and block sizes: full and partial last blocks, one sample."""
+    # The last two end exactly on a block edge and one token past it.
     for L, n, T, bs in [(32, 4, 8, 16), (10, 3, 30, 8), (100, 2, 1, 32), (47, 1, 17, 16),
-                        (64, 8, 64, 16)]:
+                        (64, 8, 64, 16), (16, 4, 17, 16), (20, 3, 14, 16)]:
         _within(_fork_pool(impl, prompt_len=L, n=n, max_tokens=T, block_size=bs),
                 fork_pool_for(L, n, T, bs), f"a {L}-token prompt, n={n}, max_tokens={T}, "
-                f"blocks of {bs}", "a sample runs out of blocks before it finishes")
+                f"blocks of {bs}", "below the smallest pool that works: some sample would run "
+                "out of blocks (the real-model case runs one)")
 
 
 def _fork_measured(impl) -> str:
@@ -265,11 +271,11 @@ FORK_POOL_SIZE = Exercise(
     hint=(
         "Which of the prompt's blocks do the samples share to the end, and which does every "
         "sample end up holding its own copy of? Then count the blocks each sample fills itself "
-        "(its last token has no K/V)."
+        "(its last token has no K/V). And if max_tokens is 1, does any sample write at all?"
     ),
     solution=fork_pool_for,
     cases=[
-        Case("five other prompts, sample counts and block sizes, by the arithmetic",
+        Case("seven other prompts, sample counts and block sizes, by the arithmetic",
              _fork_arithmetic, "Full prompt blocks once; the partial one once per sample."),
         Case("real model: 6 samples of a 40-token prompt, in your pool and the smallest",
              _fork_measured, "Compare the preemptions printed above.", real_model=True,
