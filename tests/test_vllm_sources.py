@@ -39,12 +39,17 @@ def test_every_cited_vllm_path_is_listed():
     assert not missing, f"add to {LIST.name} (and check them against the wheel): {sorted(missing)}"
 
 
-def test_every_listed_path_exists_in_the_vllm_wheel():
+def wheel_or_skip(what: str) -> Path:
+    """KVLAB_VLLM_WHEEL (the wheel, or the folder it was unzipped into), or skip saying so."""
     source = os.environ.get("KVLAB_VLLM_WHEEL")
     if not source:
         pytest.skip(f"KVLAB_VLLM_WHEEL is not set: the vLLM {VLLM_VERSION} wheel is not at hand, "
-                    "so the cited paths were not checked against it")
-    source = Path(source)
+                    f"so {what} were not checked against it")
+    return Path(source)
+
+
+def test_every_listed_path_exists_in_the_vllm_wheel():
+    source = wheel_or_skip("the cited paths")
     if source.is_dir():
         names = {str(p.relative_to(source)) for p in source.rglob("*.py")}
     else:
@@ -92,11 +97,7 @@ def test_the_chapters_quote_vllm_code():
 
 
 def test_every_quoted_vllm_line_is_in_the_cited_file_of_the_wheel():
-    source = os.environ.get("KVLAB_VLLM_WHEEL")
-    if not source:
-        pytest.skip(f"KVLAB_VLLM_WHEEL is not set: the vLLM {VLLM_VERSION} wheel is not at hand, "
-                    "so the quoted lines were not checked against it")
-    source = Path(source)
+    source = wheel_or_skip("the quoted lines")
     archive = None if source.is_dir() else zipfile.ZipFile(source)
 
     def read(name: str) -> str:

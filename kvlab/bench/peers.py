@@ -20,13 +20,26 @@ from kvlab.sampling import SamplingParams
 
 
 def transformers_generate_batch(hf_model, prompts: list[list[int]], max_tokens: int) -> list:
-    """transformers' own continuous batching (`generate_batch`), greedy, EOS not stopping."""
+    """transformers' own continuous batching (`generate_batch`), greedy, EOS not stopping.
+
+    Its paged cache is sized for the workload, as kvlab's pool is in the same comparison: left
+    to itself, generate_batch sizes the cache from the free memory (most of it; on a CPU through
+    psutil), and its process peaked at 14.5 GB here for two short prompts, more than a workshop
+    laptop has (and without psutil it sizes from zero bytes and fails)."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
+    cb = ContinuousBatchingConfig()
+    # transformers 5.24 calls a block's tokens page_size, 5.17 block_size.
+    page = getattr(cb, "page_size", None) or getattr(cb, "block_size", None) or 256
+    longest = max(len(p) for p in prompts) + max_tokens
+    cb.num_blocks = len(prompts) * -(-longest // page) + 1
+    cb.max_batch_tokens = min(8192, max(256, sum(len(p) for p in prompts)))
     with torch.inference_mode():
-        out = hf_model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+        out = hf_model.generate_batch(inputs=prompts, generation_config=cfg,
+                                      continuous_batching_config=cb, progress_bar=False)
     return [o.generated_tokens for o in out.values()]
 
 
@@ -97,7 +110,8 @@ def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5,
 
     `matmul_flops` is torch.mm's rate. `peak_matmul_flops`
     is the fastest matmul measured: on a CPU in fp32 also oneDNN's packed linear, the kernel the
-    model's own matmuls run on (model.fused_linear), measured here at 2-2.5x torch.mm. The
+    model's own matmuls run on (model.fused_linear), faster than torch.mm here (by 1.1x to 2.5x
+    across runs and machines). The
     bandwidth is a copy's bytes read plus written per second."""
     from kvlab.model import packed_linear, use_onednn_for
 

@@ -243,8 +243,8 @@ def _chunk_measured(impl) -> str:
     if mine.max_gap > bound:
         raise Mismatch(f"a worst gap under {1000 * bound:.0f} ms (the target or the best "
                        f"budget's gap, +{margin - 1:.0%})", verdict,
-                       "the step with a chunk also carries the decode, and a late chunk's "
-                       "tokens cost more than a fresh prompt's (chapter 04's fit)")
+                       "the chapter's prediction: decode step + (budget - 1) / rate, and a late "
+                       "chunk can cost a little more than that (chapter 04's fit)")
     if mine.inserted_ttft > margin * ref.inserted_ttft:
         raise Mismatch(f"a TTFT within {margin - 1:.0%} of the best budget's", verdict,
                        "more chunks than the target needs: every step pays the decode step")
