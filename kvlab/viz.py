@@ -210,12 +210,18 @@ def block_size_summary(lengths: list[int], block_size: int) -> str:
             f"({waste / mean_len:5.1%} of the mean length), block table {entries:6.1f} entries")
 
 
-def plain_log_ticks(axis, base: int = 10) -> None:
-    """A log axis labelled in plain numbers (1, 2, 5, 10, 20, ... or 1, 2, 4, 8 for base 2),
-    not matplotlib's default 10^n / 2^n: a reader compares values, not exponents."""
-    if base == 10:
+def log_axis(axis, base: int = 10, ticks=None) -> None:
+    """Put `axis` (ax.xaxis or ax.yaxis) on a log scale labelled in plain numbers: at `ticks`
+    when given, else at 1, 2, 5, 10, 20, ... (base 10) or 1, 2, 4, 8, ... (base 2); never
+    matplotlib's default 10^n / 2^n, since a reader compares values, not exponents."""
+    ax = axis.axes
+    (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log", base=base)
+    if ticks is not None:
+        axis.set_ticks(ticks, [str(t) for t in ticks])
+    elif base == 10:
         axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    if ticks is None:
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
 
@@ -227,14 +233,12 @@ def plot_block_size_tradeoff(lengths: list[int], block_size: int,
     entries = [block_table_entries(lengths, b) for b in sizes]
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ax.plot(sizes, waste, "o-", color="tab:red", label="internal waste (slots/request)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(b) for b in sizes])
+    log_axis(ax.xaxis, base=2, ticks=sizes)
     ax.set_xlabel("block_size (tokens)")
     ax.set_ylabel("wasted slots per request", color="tab:red")
     ax2 = ax.twinx()
     ax2.plot(sizes, entries, "s-", color="tab:blue", label="block-table entries")
-    ax2.set_yscale("log")
-    plain_log_ticks(ax2.yaxis)
+    log_axis(ax2.yaxis)
     ax2.set_ylabel("block-table entries per request", color="tab:blue")
     ax.axvline(block_size, color="k", ls="--", lw=1)
     ax.set_title(block_size_summary(lengths, block_size), fontsize=8)
@@ -369,11 +373,7 @@ def _concurrency_axes(fig, ax1, ax2, knee: int | None = None) -> None:
 
 def _log2_axes(ax, xlabel: str, ylabel: str, ticks=None, legend_size: int = 8) -> None:
     """A log2 x axis (ticks at `ticks`, written as plain numbers), labels, legend and grid."""
-    ax.set_xscale("log", base=2)
-    if ticks is not None:
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-    else:
-        plain_log_ticks(ax.xaxis, base=2)
+    log_axis(ax.xaxis, base=2, ticks=ticks)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=legend_size)
@@ -412,8 +412,7 @@ def plot_stall(runs: list):
         ax.axvline(run.insert_time, color=_colour(i), ls=":", lw=1)
     ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
     ax.set_ylabel("gap since the previous token (ms)")
-    ax.set_yscale("log")
-    plain_log_ticks(ax.yaxis)
+    log_axis(ax.yaxis)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -485,8 +484,7 @@ def plot_ttft_attack(result: dict, ax=None):
         pts = [(i, r["ttft_ms"]) for i, r in enumerate(result["rows"]) if r["a_sent"] == sent]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=colour, label=label)
     ax.axhline(result["threshold_ms"], color="k", ls="--", lw=1, label="B's threshold")
-    ax.set_yscale("log")
-    plain_log_ticks(ax.yaxis)
+    log_axis(ax.yaxis)
     ax.set_xlabel("trial")
     ax.set_ylabel("B's TTFT (ms)")
     salted = "with per-tenant cache_salt" if result["salted"] else "no salt"

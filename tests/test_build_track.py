@@ -5,6 +5,7 @@ glossary the chapters link to."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -91,7 +92,9 @@ def test_a_folded_cell_really_holds_source_so_the_check_above_can_fail():
     assert SOURCE_LINE.search(shown)
 
 
+@functools.lru_cache(maxsize=1)
 def _executor():
+    """scripts/execute_notebooks.py as a module, loaded once for the whole file."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(

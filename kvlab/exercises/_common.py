@@ -25,6 +25,13 @@ class Mismatch(Exception):
         self.detail = detail
 
 
+def positive_int(value, expected: str = "an int >= 1") -> int:
+    """A participant's number (not a bool, not a float, at least 1), or a Mismatch saying so."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise Mismatch(expected, repr(value))
+    return value
+
+
 class Skip(Exception):
     """A case that cannot judge anyone here (e.g. timings too noisy on this machine)."""
 

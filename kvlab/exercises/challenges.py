@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from kvlab.exercises import _engine
-from kvlab.exercises._common import Case, Exercise, Mismatch, Skip
+from kvlab.exercises._common import Case, Exercise, Mismatch, Skip, positive_int
 from kvlab.sampling import RequestOutputKind, SamplingParams
 
 # ---- 03: max_num_seqs for a KV budget ------------------------------------------------------------
@@ -68,10 +68,7 @@ def _burst_run(max_num_seqs: int) -> dict:
 
 
 def _choice(impl, **workload) -> int:
-    value = impl(**workload)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise Mismatch("an int >= 1", repr(value))
-    return value
+    return positive_int(impl(**workload))
 
 
 def _max_num_seqs_arithmetic(impl) -> None:

@@ -13,7 +13,7 @@ and counts what ran at once and what was preempted.
 from __future__ import annotations
 
 from kvlab.exercises import _engine
-from kvlab.exercises._common import Case, Exercise, Mismatch
+from kvlab.exercises._common import Case, Exercise, Mismatch, positive_int
 from kvlab.sampling import RequestOutputKind, SamplingParams
 
 # A pool more than this much above the smallest one that works leaves memory idle.
@@ -21,14 +21,8 @@ SLACK = 0.10
 MAX_STEPS = 4000  # a pool too small for the workload to finish stops here, reported
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _pool_tokens(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise Mismatch(f"{what}: a number of tokens (an int >= 1)", repr(value))
-    return value
+    return positive_int(value, f"{what}: a number of tokens (an int >= 1)")
 
 
 def _within(got: int, best: int, what: str, too_small: str) -> None:
@@ -238,9 +232,11 @@ def _fork_measured(impl) -> str:
                 raise Mismatch(f"an engine with kv_cache_tokens={pool}",
                                f"{type(e).__name__}: {e}") from None
     mine = runs["yours"]
+    unshared = SAMPLES["n"] * fork_pool_for(SAMPLES["prompt_len"], 1, SAMPLES["max_tokens"],
+                                            FORK_POOL["block_size"])
     line = (f"yours ({got:,} tokens): {mine['preemptions']} preemptions; the smallest that "
             f"works: {best:,} tokens; without sharing {SAMPLES['n']} samples would hold "
-            f"{SAMPLES['n'] * fork_pool_for(SAMPLES['prompt_len'], 1, SAMPLES['max_tokens'], FORK_POOL['block_size']):,}")
+            f"{unshared:,}")
     if mine["tokens"] != runs["smallest"]["tokens"]:
         raise Mismatch("the same samples as in the smallest pool", "different samples", line)
     if mine["preemptions"]:
