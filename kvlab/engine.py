@@ -318,12 +318,16 @@ class LLMEngine:
         self.model.attn_backend = backend
         self.model_runner.attn_backend = backend
 
-    def memory_map(self) -> list[tuple[str | None, int]]:
-        """Who holds each physical block now, and how many of its slots hold tokens."""
-        from kvlab.viz import memory_map  # a picture helper: kept out of the engine's imports
-
-        return memory_map(self.kv_cache_manager,
-                          {r.request_id: r.num_computed_tokens for r in self.scheduler.running})
+    def memory_map(self) -> list[tuple[str | None, int, int]]:
+        """Who holds each physical block now, how many of its slots hold tokens, how many are
+        reserved (the manager's `memory_map`). A request's end is taken as the longest it can
+        reach, prompt + max_tokens - 1 tokens of K/V (its last token is never run): a held slot
+        past that is internal waste for certain, though an EOS may end it sooner."""
+        running = self.scheduler.running
+        return self.kv_cache_manager.memory_map(
+            {r.request_id: r.num_computed_tokens for r in running},
+            {r.request_id: min(r.num_prompt_tokens + r.sampling_params.max_tokens - 1,
+                               self.config.max_model_len) for r in running})
 
     def block_tables(self) -> dict[str, list[int]]:
         return {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id)

@@ -318,6 +318,37 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [blk.block_id for blk in self.req_to_blocks.get(request_id, [])]
 
+    def memory_map(self, num_tokens: dict[str, int],
+                   final_tokens: dict[str, int] | None = None) -> list[tuple[str | None, int, int]]:
+        """For each physical block, in address order: (owner request id or None, slots holding
+        tokens, slots reserved for tokens still to come).
+
+        `num_tokens` gives each request's tokens in the cache now; `final_tokens`, where known,
+        its length at the end: a held slot below that is reserved, one past it is internal waste
+        (it will never hold a token). Without `final_tokens` every held, empty slot counts as
+        reserved. Chapter 01's pictures draw it (kvlab.viz.draw_memory_map).
+        """
+        bs = self.block_size
+        owner: list[tuple[str | None, int, int]] = [(None, 0, 0)] * self.num_blocks
+        for rid, blocks in self.req_to_blocks.items():
+            n = num_tokens.get(rid, 0)
+            end = (final_tokens or {}).get(rid, len(blocks) * bs)
+            for i, blk in enumerate(blocks):
+                filled = max(0, min(bs, n - i * bs))
+                reserved = max(0, min(bs, end - i * bs) - filled)
+                owner[blk.block_id] = (rid, filled, reserved)
+        return owner
+
+    def unusable_free_blocks(self) -> set[int]:
+        """Free blocks nobody can be given (external fragmentation): with blocks on demand,
+        none."""
+        return set()
+
+    def usable_free_slots(self) -> int:
+        """Free slots someone could still be given."""
+        free = sum(blk.ref_cnt == 0 for blk in self.block_pool.blocks)
+        return (free - len(self.unusable_free_blocks())) * self.block_size
+
     def _note_peak(self) -> None:
         self.peak_blocks_used = max(self.peak_blocks_used, self.block_pool.get_num_used_blocks())
 
@@ -332,6 +363,20 @@ class ContiguousKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, max_model_len,
                          enable_kv_cache_events=enable_kv_cache_events)
         self.share_blocks = False
+
+    def unusable_free_blocks(self) -> set[int]:
+        """The free blocks in gaps too short for a whole max-length region: free, but too
+        scattered for anyone (external fragmentation)."""
+        region = self.num_blocks_for(self.max_model_len)
+        unusable: set[int] = set()
+        run: list[int] = []
+        for blk in self.block_pool.blocks + [None]:  # the sentinel closes the last run
+            if blk is not None and blk.ref_cnt == 0:
+                run.append(blk.block_id)
+            else:
+                unusable.update(run[len(run) // region * region:])
+                run = []
+        return unusable
 
     def find_contiguous_free_run(self, num_blocks: int) -> int | None:
         """First fit: the lowest block id that starts `num_blocks` consecutive free blocks.

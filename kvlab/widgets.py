@@ -1,6 +1,6 @@
 """Sliders and the engine explorer: thin ipywidgets layers over `viz` and `explorer`.
 
-Each slider's work is a plain function (in viz.py) that tests call without a browser; a widget
+Each slider's work is a plain function (in kvlab/viz/) that tests call without a browser; a widget
 here only wires a slider to it. The explorer's picture is a pure function of an engine snapshot
 (`viz.draw_snapshot` of `explorer.snapshot`); its widget only wires buttons to an
 `EngineExplorer`.

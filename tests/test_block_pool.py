@@ -194,10 +194,10 @@ def test_manager_contiguous_reserves_max_model_len():
     assert m.get_block_ids("a") == [0, 1, 2, 3]  # 16 tokens reserved for a 1-token request
     assert m.allocate_slots("b", 1)
     assert not m.allocate_slots("c", 1)  # 2 blocks left, a region needs 4
-    assert viz.usable_free_slots(m) == 0  # 8 free slots, but in a gap too small for a region
-    mm = viz.memory_map(m, {"a": 5, "b": 1})
-    assert mm[:4] == [("a", 4), ("a", 1), ("a", 0), ("a", 0)]
-    assert mm[8:] == [(None, 0), (None, 0)]
+    assert m.usable_free_slots() == 0  # 8 free slots, but in a gap too small for a region
+    mm = m.memory_map({"a": 5, "b": 1})
+    assert mm[:4] == [("a", 4, 0), ("a", 1, 3), ("a", 0, 4), ("a", 0, 4)]
+    assert mm[8:] == [(None, 0, 0), (None, 0, 0)]
 
 
 @settings(max_examples=60, deadline=None)

@@ -116,3 +116,15 @@ def test_helpers():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
     a, b, r2 = fit_line([1, 2, 3], [3, 5, 7])
     assert (round(a, 6), round(b, 6), round(r2, 6)) == (1, 2, 1)
+
+
+def test_the_concurrency_table_takes_repeats_per_server_and_refuses_a_stray_name():
+    from kvlab.bench import scheduling
+
+    servers = {"max_num_seqs=1": ({"max_num_seqs": 1}, (1,)), "default": ({}, (2,))}
+    with pytest.raises(ValueError, match="the servers are"):
+        scheduling.continuous_batching_table(servers, repeats={"default": 3})
+    rows = scheduling.continuous_batching_table(servers, input_len=8, output_len=3,
+                                                repeats={"max_num_seqs=1": 1, "default": 2})
+    assert [(r["server"], r["concurrency"]) for r in rows] == [("max_num_seqs=1", 1),
+                                                                ("default", 2)]

@@ -371,3 +371,25 @@ def test_serve_main_reports_a_bad_key_file_without_quoting_it(tmp_path, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "not key=tenant" in err and KEY_A1 not in err
+
+
+def test_the_benchmark_client_sends_each_prompt_with_its_tenants_key(keyed):
+    """`run_benchmark(api_keys=...)`: one key per prompt; two keys of tenant A share a document's
+    blocks, tenant B's key finds none of them, and a request without a valid key is refused."""
+    import asyncio
+
+    from kvlab.bench.client import run_benchmark
+
+    base, llm = keyed
+    doc = list(range(1000, 1100))  # 100 tokens: 96 in six full blocks
+    first = asyncio.run(run_benchmark(base, [doc], max_tokens=2, api_keys=KEY_A1))
+    after = asyncio.run(run_benchmark(base, [doc, doc], max_tokens=2, concurrency=1,
+                                      api_keys=[KEY_A2, KEY_B]))
+    assert first["errors"] == 0 and first["cached_tokens"] == 0
+    assert [r.cached_tokens for r in after["results"]] == [96, 0]
+    refused = asyncio.run(run_benchmark(base, [doc], max_tokens=2, model="m",
+                                        api_keys=["not-a-key"]))
+    assert refused["errors"] == 1 and refused["results"][0].error.startswith("401")
+    with pytest.raises(ValueError, match="one per prompt"):
+        asyncio.run(run_benchmark(base, [doc, doc], api_keys=[KEY_A1]))
+    wait_idle(llm)

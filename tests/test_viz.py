@@ -22,7 +22,7 @@ def test_figures_draw():
         viz.plot_kv_memory(46_080, [128, 256], [1, 4], budget_bytes=2**30),
         viz.plot_sim(c, p),
         viz.plot_block_size_tradeoff(lengths, 16),
-        viz.draw_memory_map(viz.memory_map(m, {"a": 6}), 4, "paged").figure,
+        viz.draw_memory_map(m.memory_map({"a": 6}), 4, "paged").figure,
     ]
     for fig in figs:
         assert fig.axes

@@ -37,19 +37,21 @@ class StreamResult:
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, body: dict,
-                     res: StreamResult | None = None) -> StreamResult:
-    """Stream one request; `res`, when given, fills as the tokens arrive (a caller can watch)."""
+                     res: StreamResult | None = None, api_key: str | None = None) -> StreamResult:
+    """Stream one request; `res`, when given, fills as the tokens arrive (a caller can watch).
+    `api_key` goes in the Authorization header, as the OpenAI clients send it."""
     res = StreamResult() if res is None else res
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
     t0 = last = res.start = time.perf_counter()
     try:
-        return await _read_stream(session, url, body, res, t0, last)
+        return await _read_stream(session, url, body, res, t0, last, headers)
     finally:
         res.end = time.perf_counter()
 
 
-async def _read_stream(session, url, body, res, t0, last) -> StreamResult:
-    async with session.post(url, json=body) as resp:
+async def _read_stream(session, url, body, res, t0, last, headers=None) -> StreamResult:
+    async with session.post(url, json=body, headers=headers) as resp:
         if resp.status != 200:
             res.error = f"{resp.status}: {await resp.text()}"
             return res
@@ -86,18 +88,20 @@ async def _read_stream(session, url, body, res, t0, last) -> StreamResult:
 
 async def send_all(url: str, bodies: list[dict], concurrency: int,
                    delays: list[float] | None = None, timeout: aiohttp.ClientTimeout | None = None,
-                   errors_as_results: bool = False) -> tuple[list[StreamResult], float]:
+                   errors_as_results: bool = False,
+                   api_keys: list[str | None] | None = None) -> tuple[list[StreamResult], float]:
     """Stream every body to `url`, at most `concurrency` in flight, each sent `delays[i]`
-    seconds after the start (default: all at once); returns the per-request results, in order,
-    and the wall time. With `errors_as_results`, a malformed event or a dropped connection
-    fails its own request (the result's `error`) instead of the whole run."""
+    seconds after the start (default: all at once), with `api_keys[i]` if given; returns the
+    per-request results, in order, and the wall time. With `errors_as_results`, a malformed
+    event or a dropped connection fails its own request (the result's `error`) instead of the
+    whole run."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(session, body, delay):
+    async def one(session, body, delay, key):
         await asyncio.sleep(delay)
         async with sem:
             try:
-                return await stream_one(session, url, body)
+                return await stream_one(session, url, body, api_key=key)
             except Exception as e:
                 if not errors_as_results:
                     raise
@@ -105,8 +109,8 @@ async def send_all(url: str, bodies: list[dict], concurrency: int,
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(**({} if timeout is None else {"timeout": timeout})) as session:
-        results = await asyncio.gather(*(one(session, b, d) for b, d in
-                                         zip(bodies, delays or [0.0] * len(bodies))))
+        results = await asyncio.gather(*(one(session, b, d, k) for b, d, k in zip(
+            bodies, delays or [0.0] * len(bodies), api_keys or [None] * len(bodies))))
     return list(results), time.perf_counter() - t0
 
 
@@ -117,10 +121,11 @@ def pooled(results: list[StreamResult]):
             [r.completion_tokens for r in ok])
 
 
-async def served_model(base_url: str) -> str:
+async def served_model(base_url: str, api_key: str | None = None) -> str:
     """The first model a server lists at /v1/models (vLLM answers 404 to any other name)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
     async with aiohttp.ClientSession() as session:
-        async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
+        async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as resp:
             resp.raise_for_status()
             return (await resp.json())["data"][0]["id"]
 
@@ -128,14 +133,21 @@ async def served_model(base_url: str) -> str:
 async def run_benchmark(base_url: str, prompts: list, model: str | None = None,
                         max_tokens: int = 32, concurrency: int = 8,
                         request_rate: float | None = None, seed: int = 0,
-                        extra: dict | None = None) -> dict:
+                        extra: dict | None = None,
+                        api_keys: str | list[str] | None = None) -> dict:
     """Send every prompt, at most `concurrency` in flight, arrivals Poisson at `request_rate` per
     second (None: all at once); summarise TTFT, ITL and throughput. A prompt is a string, token
     ids, or a dict of request fields (e.g. {"prompt": ..., "cache_salt": "tenant-a"}). `model`
-    None: the one the server lists."""
+    None: the one the server lists. `api_keys`: one key for every request, or one per prompt
+    (a key-mode server, `kvlab serve --api-keys-file`, salts each by its key's tenant)."""
+    if isinstance(api_keys, str):
+        api_keys = [api_keys] * len(prompts)
+    if api_keys is not None and len(api_keys) != len(prompts):
+        raise ValueError(f"api_keys: {len(api_keys)} keys for {len(prompts)} prompts; give one "
+                         f"key, or one per prompt")
     rng = random.Random(seed)
     if model is None:
-        model = await served_model(base_url)
+        model = await served_model(base_url, api_keys[0] if api_keys else None)
     bodies = [{"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                **(extra or {}), **(p if isinstance(p, dict) else {"prompt": p})} for p in prompts]
     delays, t = [], 0.0
@@ -144,7 +156,7 @@ async def run_benchmark(base_url: str, prompts: list, model: str | None = None,
         if request_rate:
             t += rng.expovariate(request_rate)
     results, wall = await send_all(base_url.rstrip("/") + "/v1/completions", bodies,
-                                   concurrency, delays)
+                                   concurrency, delays, api_keys=api_keys)
     ok, ttfts, itls, tokens = pooled(results)
     return {
         "requests": len(prompts), "errors": len(results) - len(ok), "concurrency": concurrency,

@@ -99,11 +99,14 @@ def measure_bursts(llm: LLM, concurrency: int, input_len: int, output_len: int,
 
 def continuous_batching_table(
     servers: dict[str, tuple[dict, tuple[int, ...]]] | None = None,
-    input_len: int = 64, output_len: int = 32, repeats: int = 3, model: str | None = None,
-    progress: bool = False,
+    input_len: int = 64, output_len: int = 32, repeats: int | dict[str, int] = 3,
+    model: str | None = None, progress: bool = False,
 ) -> list[dict]:
     """The seed table: one-at-a-time (`max_num_seqs=1`) against the default scheduler, bursts
-    of `concurrency` requests of input_len + output_len tokens (EOS ignored)."""
+    of `concurrency` requests of input_len + output_len tokens (EOS ignored). `repeats`: runs
+    per point, or per server name ({"max_num_seqs=1": 1, "default": 3})."""
+    if isinstance(repeats, dict) and servers is not None and set(repeats) != set(servers):
+        raise ValueError(f"repeats names {sorted(repeats)}, the servers are {sorted(servers)}")
     if servers is None:
         servers = {"max_num_seqs=1": ({"max_num_seqs": 1}, (1, 16)),
                    "default": ({}, (1, 4, 16))}
@@ -114,7 +117,8 @@ def continuous_batching_table(
             engines[name] = LLM(model, max_model_len=input_len + output_len + 16,
                                 **servers[name][0])
         rows.append({"server": name, "concurrency": c,
-                     **measure_bursts(engines[name], c, input_len, output_len, repeats)})
+                     **measure_bursts(engines[name], c, input_len, output_len,
+                                      repeats[name] if isinstance(repeats, dict) else repeats)})
     return rows
 
 

@@ -228,7 +228,7 @@ def _chunk_measured(impl) -> str:
         raise Skip(f"this machine's speed changed during the check (a step with only the "
                    f"decode took {1000 * decode_step:.0f} ms in the best budget's runs and "
                    f"{1000 * mine_step:.0f} ms in yours): close other programs, run it again")
-    margin = 1.15  # a timing on a shared CPU: the stated margin for both gap and TTFT
+    margin = 1.15  # a timing on a shared CPU: the stated margin for the worst gap
     verdict = (f"target {1000 * target:.0f} ms (rate {rate:.0f} tok/s, decode step "
                f"{1000 * decode_step:.0f} ms); yours (budget {chosen}): worst gap "
                f"{1000 * mine.max_gap:.0f} ms, TTFT {1000 * mine.inserted_ttft:.0f} ms in "
@@ -238,12 +238,23 @@ def _chunk_measured(impl) -> str:
     # slower than its own rate said) could not meet it: yours is judged beside the best.
     bound = margin * max(target, ref.max_gap)
     if mine.max_gap > bound:
+        if chosen <= CHUNK_REF_BUDGET:
+            # No larger a chunk than the best budget's: by the chapter's prediction its step
+            # fits the target, so a gap over it was this machine's, not the budget's.
+            raise Skip(f"a budget of {chosen} (at most the best's {CHUNK_REF_BUDGET}) measured "
+                       f"a worst gap of {1000 * mine.max_gap:.0f} ms, over the bound of "
+                       f"{1000 * bound:.0f} ms: the machine was busy; close other programs "
+                       f"and run it again")
         raise Mismatch(f"a worst gap under {1000 * bound:.0f} ms (the target or the best "
                        f"budget's gap, +{margin - 1:.0%})", verdict,
                        "the chapter's prediction: decode step + (budget - 1) / rate, and a late "
                        "chunk can cost a little more than that (chapter 04's fit)")
-    if mine.inserted_ttft > margin * ref.inserted_ttft:
-        raise Mismatch(f"a TTFT within {margin - 1:.0%} of the best budget's", verdict,
+    # The TTFT is judged by its cause, the number of steps the prompt takes, each paying the
+    # decode step again: the same count as the best budget's is the same TTFT up to the timer
+    # (two runs of one budget on a shared CPU differ by 20% and more).
+    if mine.chunks > ref.chunks:
+        raise Mismatch(f"the prompt in {ref.chunks} chunks, as with the best budget (a longer "
+                       f"TTFT with each extra chunk)", verdict,
                        "more chunks than the target needs: every step pays the decode step")
     return verdict + " (least disturbed of three runs each, side by side)"
 

@@ -1,0 +1,150 @@
+"""Chapter 07 and the benchmarks: kvlab beside its peers, the roofline sweep, the API run."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from kvlab.viz.axes import _colour, _log2_axes
+
+
+def plot_peers(peers: dict, ceiling: dict):
+    """Left: useful output tokens/s of kvlab and its peers on one workload (compare_peers).
+    Right: kvlab's decode rate at the ceiling's batch against this machine's two limits
+    (ceiling_fraction): the arithmetic at the fastest matmul measured and the bytes at the
+    bandwidth."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.4), width_ratios=(3, 2))
+    names = list(peers["rows"])
+    rates = [peers["rows"][n]["useful_tok_s"] for n in names]
+    bars = ax1.barh(names, rates, color=[_colour(i) for i in range(len(names))])
+    ax1.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("useful output tokens/s")
+    ax1.set_title(f"{peers['useful_tokens']} tokens, same prompts and weights", fontsize=9)
+    c = ceiling["ceiling"]
+    labels = ["arithmetic\nlimit", "memory\nlimit", "kvlab"]
+    values = [c["compute_bound_tok_s"], c["memory_bound_tok_s"], ceiling["kvlab_decode_tok_s"]]
+    bars = ax2.bar(labels, values, color=["0.75", "0.6", _colour(0)])
+    ax2.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax2.tick_params(axis="x", labelsize=8)
+    ax2.set_ylabel("decode tokens/s")
+    ax2.set_title(f"batch {c['batch']}, context {c['context']}: "
+                  f"{ceiling['fraction_of_ceiling']:.0%} of the limit", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="x" if ax is ax1 else "y")
+    fig.tight_layout()
+    return fig
+
+
+def plot_serve_peers(rows: list[dict]):
+    """Two servers through one streaming client (kvlab.bench.serve_peers, notebook 07): output
+    tokens/s, TTFT and ITL by concurrency, bars grouped by concurrency, one colour per server.
+    Latency bars are medians, their whiskers reach the p90."""
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    width = 0.8 / max(len(servers), 1)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    panels = (("output_tok_s", None, "output tokens/s"),
+              ("ttft_median_ms", "ttft_p90_ms", "TTFT (ms)"),
+              ("itl_median_ms", "itl_p90_ms", "ITL (ms)"))
+    for ax, (key, p90, label) in zip(axes, panels):
+        for i, name in enumerate(servers):
+            here = [j for j, c in enumerate(levels)
+                    if (name, c) in by and by[(name, c)][key] is not None]
+            xs = [j + (i - (len(servers) - 1) / 2) * width for j in here]
+            pts = [by[(name, levels[j])] for j in here]
+            values = [r[key] for r in pts]
+            yerr = None if p90 is None else [[0] * len(pts), [r[p90] - r[key] for r in pts]]
+            bars = ax.bar(xs, values, width, yerr=yerr, capsize=3, color=_colour(i), label=name)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7, label_type="center")
+        ax.set_xticks(range(len(levels)), [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label if p90 is None else f"{label}: median, whisker p90")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline_sweep(results: dict):
+    """Decode throughput by batch against this machine's ceilings (notebook 07, `python -m
+    kvlab.bench roofline`).
+
+    `results` is `kvlab.bench.roofline.roofline(...)`'s output. Left: decode tokens/s at the
+    sweep's context by running batch, with the two ceilings measured in the same run (arithmetic
+    at torch.mm's rate or at the fastest matmul, weights and K/V read once at the copy
+    bandwidth), and the other contexts measured as single points. Right: each batch's step as a
+    share of each ceiling."""
+    ctx = results["context"]
+    rows = sorted((r for r in results["rows"] if abs(r["context"] - ctx) <= 8),
+                  key=lambda r: r["batch"])
+    others = [r for r in results["rows"] if abs(r["context"] - ctx) > 8]
+    batches = [r["batch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    ax1.plot(batches, [r["tok_s"] for r in rows], "o-", color=_colour(0),
+             label=f"kvlab, context {ctx}")
+    for key, style, name in (("mm", "--", "torch.mm rate"), ("peak", ":", "fastest matmul")):
+        ax1.plot(batches, [1000 * r["batch"] / r[f"ceiling_ms_{key}"] for r in rows], style,
+                 color="k", label=f"ceiling ({name})")
+    for i, c in enumerate(sorted({r["context"] for r in others})):
+        pts = [r for r in others if r["context"] == c]
+        ax1.plot([r["batch"] for r in pts], [r["tok_s"] for r in pts], "s", ms=5,
+                 color=_colour(i + 1), label=f"kvlab, context {c}")
+    _log2_axes(ax1, "running requests (decode batch)", "decode tokens/s", ticks=batches,
+               legend_size=7)
+    width = 0.4
+    for i, (key, name) in enumerate((("mm", "of ceiling (torch.mm rate)"),
+                                     ("peak", "of ceiling (fastest matmul)"))):
+        xs = [j + (i - 0.5) * width for j in range(len(rows))]
+        bars = ax2.bar(xs, [100 * r[f"fraction_{key}"] for r in rows], width,
+                       color=_colour(i), label=name)
+        ax2.bar_label(bars, fmt="%.0f%%", fontsize=7)
+    ax2.set_xticks(range(len(rows)), [str(b) for b in batches])
+    ax2.set_xlabel(f"running requests (context {ctx})")
+    ax2.set_ylabel("share of the ceiling (%)")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+def plot_api_run(results: dict):
+    """The experiments through the API (`kvlab.bench.api.run_api_experiments`, notebook 07):
+    tokens/s and TTFT by concurrency (chapter 03), cold / warm / after-reset TTFT (05) and the
+    salt table's TTFT (06), each panel only where the run measured it."""
+    panels = [p for p in ("concurrency", "prefix-cache", "cache-salt") if results.get(p)]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.8 * max(len(panels), 1), 3.4),
+                             squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        rows = [r for r in results[name] if r.get("result") != "not measurable"]
+        if name == "concurrency":
+            levels = [str(r["concurrency"]) for r in rows]
+            bars = ax.bar(levels, [r["tok_s"] for r in rows], color=_colour(0))
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_xlabel("concurrency (2c requests, closed loop)")
+            ax.set_ylabel("output tokens/s")
+            twin = ax.twinx()
+            twin.plot(levels, [r["ttft_median_ms"] for r in rows], "o-", color=_colour(1))
+            twin.set_ylabel("TTFT median (ms)", color=_colour(1))
+            twin.set_ylim(bottom=0)
+        elif name == "prefix-cache":
+            r = rows[0]
+            keys = [("cold", "cold_ttft_ms"), ("warm", "warm_ttft_ms"),
+                    ("after reset", "after_reset_ttft_ms")]
+            keys = [(label, k) for label, k in keys if r.get(k) is not None]
+            bars = ax.bar([label for label, _ in keys], [r[k] for _, k in keys],
+                          color=[_colour(i) for i in range(len(keys))])
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_ylabel("TTFT (ms)")
+            ax.set_title(f"shared prefix, {r['prompt_tokens']}-token prompts", fontsize=9)
+        else:
+            table = [r for r in rows if r.get("experiment") == "salt table" and "order" in r]
+            bars = ax.bar([f"{r['order']}: {r['cache_salt']}" for r in table],
+                          [r["ttft_ms"] for r in table], color=_colour(2))
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_ylabel("TTFT (ms)")
+            ax.set_title("one document, in order, by cache_salt", fontsize=9)
+            ax.tick_params(axis="x", labelsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,123 @@
+"""Chapters 03-04: requests over steps, the concurrency and capacity sweeps, and the gaps a
+long prefill opens in a decode."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from kvlab.viz.axes import _colour, _log2_axes, log_axis
+
+
+def plot_gantt(traces: dict[str, list], title: str = "requests over steps"):
+    """One row per request, a bar for every step it ran in; one panel per run.
+
+    `traces` maps a run's name to its StepRecords (e.g. `BatchResult.steps`).
+    """
+    fig, axes = plt.subplots(len(traces), 1, figsize=(7.5, 1.6 + 1.1 * len(traces)), sharex=True)
+    axes = [axes] if len(traces) == 1 else list(axes)
+    for ax, (name, steps) in zip(axes, traces.items()):
+        first = steps[0].step if steps else 0
+        rows: dict[str, list[int]] = {}
+        for rec in steps:
+            for rid in rec.request_ids:
+                rows.setdefault(rid, []).append(rec.step - first)
+        for y, (rid, xs) in enumerate(rows.items()):
+            ax.broken_barh([(x, 0.9) for x in xs], (y - 0.4, 0.8), color=_colour(y))
+        ax.set_yticks(range(len(rows)), list(rows), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: {len(steps)} steps", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("engine step")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_concurrency(rows: list[dict], key: str = "server"):
+    """Throughput and TTFT median against concurrency, one line per `key` value."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    for name in dict.fromkeys(r[key] for r in rows):
+        pts = [r for r in rows if r[key] == name]
+        cs = [r["concurrency"] for r in pts]
+        ax1.errorbar(cs, [r["tok_s"] for r in pts], marker="o", label=name,
+                     yerr=[[r["tok_s"] - r["tok_s_spread"][0] for r in pts],
+                           [r["tok_s_spread"][1] - r["tok_s"] for r in pts]])
+        ax2.plot(cs, [r["ttft_median_ms"] for r in pts], marker="o", label=name)
+    _concurrency_axes(fig, ax1, ax2)
+    return fig
+
+
+def _concurrency_axes(fig, ax1, ax2, knee: int | None = None) -> None:
+    """Shared styling: throughput left, TTFT right, concurrency on a log2 axis."""
+    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT median (ms)")):
+        if knee is not None:
+            ax.axvline(knee, color="k", ls="--", lw=1,
+                       label=f"knee: KV tokens / tokens per request = {knee} requests")
+        _log2_axes(ax, "concurrency", ylabel)
+    fig.tight_layout()
+
+
+def plot_capacity(sweep: dict):
+    """The KV-capacity knee: throughput flattens and TTFT climbs past KV tokens / request."""
+    rows = sweep["rows"]
+    cs = [r["concurrency"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax1.plot(cs, [r["tok_s"] for r in rows], "o-")
+    ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:red")
+    for c, r in zip(cs, rows):
+        if r["preemptions"]:
+            # Below and left of its point, so that the last point's label stays on the axes.
+            ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=8,
+                         textcoords="offset points", xytext=(-6, -4), ha="right", va="top")
+    _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"])
+    return fig
+
+
+def plot_stall(runs: list):
+    """The decoding request's inter-token gaps over time, one line per budget (StallRuns)."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for i, run in enumerate(runs):
+        t = run.decode_times
+        label = "no chunking" if run.budget is None else f"budget {run.budget}"
+        gaps = [1000 * (b - a) for a, b in zip(t, t[1:])]
+        if not gaps:
+            continue
+        # A gap lasts from one token to the next: draw it as a flat step over that interval
+        # (a line from dot to dot would draw one long gap as a ramp that starts a token early).
+        ax.plot(t, gaps + gaps[-1:], drawstyle="steps-post", lw=1.2, color=_colour(i),
+                label=f"{label}: max gap {1000 * run.max_gap:.0f} ms")
+        ax.plot(t[1:], gaps, "o", ms=3, color=_colour(i))  # a dot where each token arrived
+        ax.axvline(run.insert_time, color=_colour(i), ls=":", lw=1)
+    ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
+    ax.set_ylabel("gap since the previous token (ms)")
+    log_axis(ax.yaxis)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gap_vs_budget(runs: list, prefill_tokens_per_s: float, decode_step_s: float, fit=None):
+    """Measured worst gap against the budget, with the prediction budget / prefill rate +
+    one decode step, and the least-squares line through the chunked points."""
+    chunked = [r for r in runs if r.budget is not None]
+    xs = [r.budget for r in chunked]
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.plot(xs, [1000 * r.max_gap for r in chunked], "o", label="measured max gap")
+    grid = [0, max(xs)]
+    ax.plot(grid, [1000 * (x / prefill_tokens_per_s + decode_step_s) for x in grid], "k--", lw=1,
+            label=f"predicted: budget / {prefill_tokens_per_s:.0f} tok/s + one decode step")
+    if fit is not None:
+        a, b, r2 = fit
+        ax.plot(grid, [1000 * (a + b * x) for x in grid], color="tab:orange", lw=1,
+                label=f"fit: {1000 * a:.0f} ms + {1000 * b:.2f} ms/token x budget, R² {r2:.3f}")
+    for r in runs:
+        if r.budget is None:
+            ax.axhline(1000 * r.max_gap, color="tab:red", lw=1,
+                       label=f"no chunking: {1000 * r.max_gap:.0f} ms")
+    ax.set_xlabel("max_num_batched_tokens (tokens per step)")
+    ax.set_ylabel("worst decode gap (ms)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
