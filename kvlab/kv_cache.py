@@ -346,7 +346,7 @@ class KVCacheManager:
 
     def usable_free_slots(self) -> int:
         """Free slots someone could still be given."""
-        free = sum(blk.ref_cnt == 0 for blk in self.block_pool.blocks)
+        free = self.block_pool.get_num_free_blocks()
         return (free - len(self.unusable_free_blocks())) * self.block_size
 
     def _note_peak(self) -> None:
@@ -368,15 +368,19 @@ class ContiguousKVCacheManager(KVCacheManager):
         """The free blocks in gaps too short for a whole max-length region: free, but too
         scattered for anyone (external fragmentation)."""
         region = self.num_blocks_for(self.max_model_len)
-        unusable: set[int] = set()
+        return {b for run in self._free_runs() for b in run[len(run) // region * region:]}
+
+    def _free_runs(self):
+        """The runs of consecutive free block ids, in address order."""
         run: list[int] = []
-        for blk in self.block_pool.blocks + [None]:  # the sentinel closes the last run
-            if blk is not None and blk.ref_cnt == 0:
+        for blk in self.block_pool.blocks:
+            if blk.ref_cnt == 0:
                 run.append(blk.block_id)
-            else:
-                unusable.update(run[len(run) // region * region:])
+            elif run:
+                yield run
                 run = []
-        return unusable
+        if run:
+            yield run
 
     def find_contiguous_free_run(self, num_blocks: int) -> int | None:
         """First fit: the lowest block id that starts `num_blocks` consecutive free blocks.
@@ -384,17 +388,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         The pre-vLLM allocators worked this way: a request needs one unbroken region, so free
         space split into gaps smaller than a region is unusable (external fragmentation).
         """
-        run_start, run_len = 0, 0
-        for blk in self.block_pool.blocks:
-            if blk.ref_cnt == 0:
-                if run_len == 0:
-                    run_start = blk.block_id
-                run_len += 1
-                if run_len == num_blocks:
-                    return run_start
-            else:
-                run_len = 0
-        return None
+        return next((run[0] for run in self._free_runs() if len(run) >= num_blocks), None)
 
     def get_contiguous_blocks(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """Reserve one unbroken run of blocks, first fit; None if no gap is large enough.

@@ -36,16 +36,20 @@ class StreamResult:
     end: float = 0.0
 
 
+def auth_headers(api_key: str | None) -> dict | None:
+    """The Authorization header an OpenAI client sends with `api_key` (None: no header)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
+
+
 async def stream_one(session: aiohttp.ClientSession, url: str, body: dict,
                      res: StreamResult | None = None, api_key: str | None = None) -> StreamResult:
     """Stream one request; `res`, when given, fills as the tokens arrive (a caller can watch).
     `api_key` goes in the Authorization header, as the OpenAI clients send it."""
     res = StreamResult() if res is None else res
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
     t0 = last = res.start = time.perf_counter()
     try:
-        return await _read_stream(session, url, body, res, t0, last, headers)
+        return await _read_stream(session, url, body, res, t0, last, auth_headers(api_key))
     finally:
         res.end = time.perf_counter()
 
@@ -123,9 +127,9 @@ def pooled(results: list[StreamResult]):
 
 async def served_model(base_url: str, api_key: str | None = None) -> str:
     """The first model a server lists at /v1/models (vLLM answers 404 to any other name)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
     async with aiohttp.ClientSession() as session:
-        async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers) as resp:
+        async with session.get(base_url.rstrip("/") + "/v1/models",
+                               headers=auth_headers(api_key)) as resp:
             resp.raise_for_status()
             return (await resp.json())["data"][0]["id"]
 

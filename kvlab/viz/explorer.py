@@ -52,6 +52,32 @@ def _text_lines(ax, x: float, lines: list[tuple[str, object]]) -> None:
                 transform=offset_copy(ax.transAxes, fig=ax.figure, y=-9 * i, units="points"))
 
 
+def _legend_entries(snap: EngineSnapshot) -> tuple[list, list[str]]:
+    """The pool legend's swatches and labels."""
+    # The legend names what is on screen: free and held always, the states of later chapters
+    # (cached, shared, copied, keyed) only once a block is in them, so chapter 01's explorer
+    # does not list chapter 05's.
+    present = {b.state for b in snap.blocks}
+    # Each swatch is drawn as its blocks are: "held" half solid (K/V written), half hatched.
+    grey = (0.4, 0.4, 0.4)
+    states = [Patch(fc="white", ec="0.75"),
+              (Patch(fc=grey, ec="none"), Patch(fc=(*grey, 0.3), ec="none", hatch="////"))]
+    labels = ["free", "held by a request (solid: K/V written)"]
+    if CACHED in present:
+        states.append(Patch(fc="0.88", ec="0.4", ls=":", hatch=".."))
+        labels.append("cached, free (evictable)")
+    if SHARED in present:
+        states.append(Patch(fc=SHARED_COLOUR))
+        labels.append("shared (xN: ref count)")
+    if any(b.just_copied for b in snap.blocks):
+        states.append(Patch(fc="white", ec=COPY_EDGE, lw=2))
+        labels.append("just copied (copy-on-write)")
+    if any(b.key is not None for b in snap.blocks):
+        states.append(Line2D([], [], marker="o", ls="none", color="black", ms=4))
+        labels.append("dot: has a prefix-cache key")
+    return states, labels
+
+
 def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     """The snapshot as one figure: the pool as a grid of blocks, the step's token budget as a
     bar, then the queues, the block tables (each in its request's colour) and the step's
@@ -89,11 +115,8 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     if not events:
         right.append(("(none)", black))
 
-    present = {b.state for b in snap.blocks}
-    entries = 2 + (CACHED in present) + (SHARED in present) + any(b.just_copied for b in
-                                                                   snap.blocks) + any(
-        b.key is not None for b in snap.blocks)
-    strip = 1.0 + 1.1 * -(-entries // 3)  # rows of the grid's units below it, for the legend
+    states, labels = _legend_entries(snap)
+    strip = 1.0 + 1.1 * -(-len(states) // 3)  # rows of the grid's units below it, for the legend
     heights = [(rows + strip) * (0.42 if small else 0.27), 0.5,
                0.125 * max(len(left), len(right)) + 0.1]
     fig = plt.figure(figsize=(10, sum(heights) + 0.9))
@@ -138,26 +161,6 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
                        if s in (HELD, FREE) or snap.count(s))
     ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
                       f"{snap.block_size}): {counts}", fontsize=9)
-    # The legend names what is on screen: free and held always, the states of later chapters
-    # (cached, shared, copied, keyed) only once a block is in them, so chapter 01's explorer
-    # does not list chapter 05's.
-    # Each swatch is drawn as its blocks are: "held" half solid (K/V written), half hatched.
-    grey = (0.4, 0.4, 0.4)
-    states = [Patch(fc="white", ec="0.75", label="free"),
-              (Patch(fc=grey, ec="none"), Patch(fc=(*grey, 0.3), ec="none", hatch="////"))]
-    labels = ["free", "held by a request (solid: K/V written)"]
-    if CACHED in present:
-        states.append(Patch(fc="0.88", ec="0.4", ls=":", hatch=".."))
-        labels.append("cached, free (evictable)")
-    if SHARED in present:
-        states.append(Patch(fc=SHARED_COLOUR))
-        labels.append("shared (xN: ref count)")
-    if any(b.just_copied for b in snap.blocks):
-        states.append(Patch(fc="white", ec=COPY_EDGE, lw=2))
-        labels.append("just copied (copy-on-write)")
-    if any(b.key is not None for b in snap.blocks):
-        states.append(Line2D([], [], marker="o", ls="none", color="black", ms=4))
-        labels.append("dot: has a prefix-cache key")
     # Large enough for a projector: at most three entries a row.
     ax_pool.legend(states, labels, fontsize=8.5, loc="lower center", bbox_to_anchor=(0.5, 0.0),
                    ncol=min(len(states), 3), frameon=False, handlelength=1.6,
