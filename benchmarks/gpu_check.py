@@ -22,7 +22,7 @@ mixed prompts with chunked prefill, prefix hits and preemption; kvlab's prefills
 with SDPA restricted to its fused kernels (flash, memory-efficient, cuDNN: a fallback to the
 math kernel fails the part); flex's logits against the reference's; the largest activation of
 the real model against fp16's range; decode and prefill speed, auto against flex. Then: speed
-at batch 64, the peers, kvlab's fraction of the GPU's ceiling, every published experiment
+at batch 64, the peers, kvlab's fraction of the GPU's ceiling, every cited experiment
 (`python -m kvlab.bench reproduce`, tables saved next to the report). Last, what torch.compile
 did for flex over the run: graphs, each recompile's reason, against dynamo's recompile limit
 (torch's default, 8: this script does not change it). Flex runs compiled everywhere here

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,28 @@ def load_model(model: str | None = None, device: str = "auto", dtype: str = "aut
     return _load_model_cached(model, str(dev), resolve_dtype(dtype, dev))
 
 
+# Every transformers model this process loaded, for as long as something holds it: after
+# forget_loaded_models(), what is left here is held by someone else (workshop.release says so).
+_LOADED_WEIGHTS: weakref.WeakSet = weakref.WeakSet()
+
+
+def forget_loaded_models() -> None:
+    """Drop the loaded weights (and their fused copies) from this process's caches: engines
+    already built keep theirs, and the next load_model() loads afresh."""
+    _load_model_cached.cache_clear()
+    model_linears.cache_clear()
+
+
+def loaded_weights() -> list[torch.nn.Module]:
+    """The transformers models this process loaded that are still alive."""
+    return list(_LOADED_WEIGHTS)
+
+
+def loaded_weights_alive() -> int:
+    """How many loaded transformers models are still alive (held by anything at all)."""
+    return len(_LOADED_WEIGHTS)
+
+
 @functools.lru_cache(maxsize=4)
 def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -205,6 +228,7 @@ def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> Lo
             source, dtype=dtype, attn_implementation="sdpa"
         )
     hf_model.to(device).eval().requires_grad_(False)
+    _LOADED_WEIGHTS.add(hf_model)
     tokenizer = AutoTokenizer.from_pretrained(source)
     return LoadedModel(model or PACKAGED_MODEL, hf_model, tokenizer, torch.device(device), dtype)
 

@@ -60,6 +60,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 
 from aiohttp import web
 
@@ -858,6 +859,9 @@ class BackgroundServer:
     Jupyter already runs an event loop in the main thread, so the server gets its own loop.
     """
 
+    # Every server of this process while it runs (its thread holds it): stop_all() ends them.
+    _running: weakref.WeakSet = weakref.WeakSet()
+
     def __init__(self, llm: LLM, port: int = 0, **app_kwargs) -> None:
         self.loop = asyncio.new_event_loop()
         self.app = build_app(llm, **app_kwargs)
@@ -885,6 +889,7 @@ class BackgroundServer:
             raise failed[0]
         host, self.port = self.runner.addresses[0][:2]  # port 0: the OS picked a free one
         self.url = f"http://{host}:{self.port}"
+        BackgroundServer._running.add(self)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -892,6 +897,24 @@ class BackgroundServer:
         return self.app[ENGINE_KEY]
 
     def stop(self) -> None:
+        if not self.thread.is_alive():  # stopped already: a second stop() is a no-op
+            return
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        BackgroundServer._running.discard(self)
+        # aiohttp caches every (handler, applications) middleware chain in one process-wide
+        # lru_cache (aiohttp pull request #9158), which keeps a stopped server's application,
+        # and through it the engine and the model's weights, alive. Forget them: a running
+        # server's next request only builds its chain again. (A private name: look it up.)
+        from aiohttp import web_app
+
+        cached = getattr(web_app, "_cached_build_middleware", None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every server this process still runs (a chapter's end: kvlab.workshop.release)."""
+        for server in list(cls._running):
+            server.stop()

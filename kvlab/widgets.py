@@ -149,7 +149,10 @@ def cow_slider(prompt_ids: list[int], max_tokens: int = 16, value: int = 4):
         text = (f"{kind}, k={k}: peak {runs['shared']['peak_blocks']} blocks shared vs "
                 f"{runs['unshared']['peak_blocks']} unshared: {saved:.0%} saved, "
                 f"{runs['shared']['cow_copies']} copy-on-write copies")
-        return text, viz.plot_blocks_per_step({k_: r["blocks_per_step"] for k_, r in runs.items()})
+        what = f"beam width {k}" if kind == "beam" else f"n={k}"
+        title = f"{what}, {len(prompt_ids)}-token prompt, {max_tokens} new tokens"
+        return text, viz.plot_blocks_per_step({k_: r["blocks_per_step"] for k_, r in runs.items()},
+                                              title=title)
 
     live = LiveOutput("Blocks in use, shared and unshared", *render("beam", value))
     kind = widgets.Dropdown(options=["sampling", "beam"], value="beam", description="kind")

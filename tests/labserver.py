@@ -32,7 +32,7 @@ def running_jupyterlab(tmp_path: Path, cwd: Path, args: list[str]):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                 env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")})
         try:
-            deadline = time.time() + 60
+            deadline = time.time() + 180  # a cold start on a busy 2-core machine
             while True:
                 try:
                     urllib.request.urlopen(urllib.request.Request(

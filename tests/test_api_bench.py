@@ -73,6 +73,9 @@ def test_every_experiment_through_kvlab_serve(kvlab_server):
     # accuracy is a timing, reported, not asserted.
     assert all(0 <= attack[k]["accuracy"] <= 1 and attack[k]["trials"] > 0
                for k in ("none", "per tenant"))
+    for row in attack.values():  # A sends in half the trials (one more "not sent" if odd)
+        n = row["trials"]
+        assert row["not_sent_share"] == round((n - n // 2) / n, 3)
     s = llm.stats()
     assert s["num_used_blocks"] == 0
 
@@ -140,3 +143,17 @@ def test_transformers_serve_partial_run(tmp_path):
     # What it can answer is measured: TTFT cold and warm, the unsalted audit.
     assert out["prefix-cache"][0]["cold_ttft_ms"] > 0
     assert any(r.get("cache_salt") == "none" and "accuracy" in r for r in out["cache-salt"])
+
+
+def test_audit_verdict_sets_the_accuracy_beside_a_guess_without_a_clock():
+    from kvlab.bench.api import audit_verdict
+
+    assert audit_verdict(1.0, 0.5) == "B can tell: the prefix leaks"
+    # A defended B sees only cold TTFTs and answers "not sent" every time: right in the share
+    # of trials A did not send, here one half, which is what a B without a clock scores.
+    assert audit_verdict(0.5, 0.5) == ("B does no better than a guess without the clock "
+                                       "(always 'not sent': 50% here)")
+    # The baseline is the better of the two clockless answers: 4 of 6 sent -> "sent" scores 67%.
+    assert "(always 'sent': 67% here)" in audit_verdict(1 / 3, 1 / 3)
+    # 5 of 6 right when A sent only once: "always not sent" scores as much, so no leak shown.
+    assert "no better than a guess" in audit_verdict(5 / 6, 5 / 6)

@@ -270,6 +270,11 @@ def test_exercise_record_is_complete(name):
     assert set(ALTERNATIVES) == set(NAMES)
 
 
+# The reasons a real-model timing case gives when this machine's pace made it unjudgeable
+# (kvlab/exercises: ch06_cache_salt and challenges raise Skip with them).
+MACHINE_BUSY = ("timings were too noisy", "the machine was busy", "speed changed during the check")
+
+
 # ---- solutions, stubs, pasted solutions ------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_solution_passes_the_fast_cases(name):
@@ -283,7 +288,10 @@ def test_solution_passes_the_fast_cases(name):
 def test_solution_passes_on_the_real_model(name):
     result = exercises.check(name, exercises.EXERCISES[name].solution)
     assert result, str(result)
-    assert not result.skipped and "all" in str(result)
+    # A timing case may say the machine was too busy to judge (another job on a shared CI
+    # machine): that is the check's honest answer, not a wrong one. Any other skip is a bug.
+    assert all(any(why in s for why in MACHINE_BUSY) for s in result.skipped), str(result)
+    assert result.skipped or "all" in str(result)
 
 
 @pytest.mark.parametrize("name", NAMES)

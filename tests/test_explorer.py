@@ -426,6 +426,8 @@ def test_real_model_sliders_run_their_default_once_and_redraw_in_place(shown, mo
     w.children[1].value = 2  # moving the slider runs the new value, drawn in place
     assert cow_calls[2:] == [("beam", 2, True), ("beam", 2, False)]
     assert shown[0].startswith("beam, k=2:") and len(shown) == 2
+    # The figure's own title names what the slider set, so a screenshot of it says so too.
+    assert shown[1].axes[0].get_title() == "beam width 2, 3-token prompt, 2 new tokens"
     w.children[1].value = 3  # back to a value already run: no new runs
     assert len(cow_calls) == 4 and shown[0].startswith("beam, k=3:")
     w = widgets.chunk_size_slider(long_len=64, value=32)

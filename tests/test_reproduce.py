@@ -1,4 +1,4 @@
-"""The published experiments as one command line: tables, JSON and CSV."""
+"""The cited experiments as one command line: tables, JSON and CSV."""
 
 from __future__ import annotations
 

@@ -143,3 +143,83 @@ def test_log_axes_are_labelled_in_plain_numbers():
             assert "$" not in label and "^" not in label, (name, label)
             float(label.replace(",", ""))  # a plain number
         plt.close(fig)
+
+
+def _boxes(artists, renderer):
+    return [a.get_window_extent(renderer) for a in artists if a.get_visible() and a.get_text()]
+
+
+def _any_overlap(boxes) -> bool:
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def test_api_figure_reads_at_a_glance():
+    """Chapter 07's API figure: the salt table's x labels do not overlap, the TTFT line's points
+    sit inside the frame, and no legend covers a bar's label."""
+    salts = [("tenant-a", 0, 977.0), ("tenant-a", 224, 246.0), ("tenant-b", 0, 1085.0),
+             ("tenant-b", 224, 314.0), ("none", 0, 1130.0)]
+    results = {
+        "concurrency": [{"concurrency": 1, "tok_s": 4.6, "ttft_median_ms": 408.6},
+                        {"concurrency": 2, "tok_s": 6.3, "ttft_median_ms": 683.5}],
+        "prefix-cache": [{"prompt_tokens": 252, "cold_ttft_ms": 1056.8, "warm_ttft_ms": 306.7,
+                          "after_reset_ttft_ms": 968.7}],
+        "cache-salt": [{"experiment": "salt table", "order": i + 1, "cache_salt": s,
+                        "cached_tokens": c, "ttft_ms": t} for i, (s, c, t) in enumerate(salts)]}
+    fig = viz.plot_api_run(results)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    conc, twin = fig.axes[0], fig.axes[-1]  # twinx() adds its axes last
+    salt_ax = fig.axes[2]
+    assert not _any_overlap(_boxes(salt_ax.get_xticklabels(), renderer))
+    assert max(twin.lines[0].get_ydata()) < twin.get_ylim()[1]  # not on the frame
+    assert max(b.get_height() for b in conc.patches) < conc.get_ylim()[1]
+    legend = salt_ax.get_legend().get_window_extent(renderer)
+    assert not any(legend.overlaps(b) for b in _boxes(salt_ax.texts, renderer))
+    colours = {b.get_facecolor() for b in salt_ax.patches}
+    assert len(colours) == 2  # hits and misses told apart
+    plt.close(fig)
+
+
+def test_roofline_legend_covers_no_bar_label():
+    rows = [{"batch": b, "context": 128, "step_ms": 10.0 * b, "tok_s": 100.0,
+             "ceiling_ms_mm": 3.7 * b, "ceiling_ms_peak": 3.1 * b, "fraction_mm": 0.37,
+             "fraction_peak": 0.31} for b in (1, 4, 16, 64)]
+    fig = viz.plot_roofline_sweep({"context": 128, "rows": rows})
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax2 = fig.axes[1]
+    legend = ax2.get_legend().get_window_extent(renderer)
+    assert not any(legend.overlaps(b) for b in _boxes(ax2.texts, renderer))
+    plt.close(fig)
+
+
+def test_attack_plots_share_one_scale_with_labelled_ticks():
+    attack = {"rows": [{"a_sent": i % 2 == 0, "ttft_ms": 120.0 if i % 2 == 0 else 640.0,
+                        "cached": 0} for i in range(6)],
+              "threshold_ms": 380.0, "salted": False, "accuracy": 1.0}
+    defended = {"rows": [{"a_sent": i % 2 == 0, "ttft_ms": 600.0 + 10 * i, "cached": 0}
+                         for i in range(6)], "threshold_ms": 380.0, "salted": True,
+                "accuracy": 0.5}
+    ax = viz.plot_ttft_attack(defended, same_scale_as=attack)
+    lo, hi = ax.get_ylim()
+    assert lo < 120.0 and hi > 650.0  # the unsalted run's hits are on this scale too
+    ax.figure.canvas.draw()
+    ticks = [t for t in ax.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi]
+    assert len(ticks) >= 3  # a log axis with one labelled tick reads as no scale
+    plt.close(ax.figure)
+
+
+def test_capacity_figure_draws_the_control_beside_the_sweep():
+    rows = [{"concurrency": c, "tok_s": t, "ttft_median_ms": m, "preemptions": p}
+            for c, t, m, p in ((4, 33.0, 520.0, 0), (16, 63.0, 1800.0, 0), (32, 57.0, 2500.0, 5))]
+    control = {"concurrency": 32, "tok_s": 75.0, "ttft_median_ms": 3300.0, "preemptions": 0}
+    fig = viz.plot_capacity({"rows": rows, "predicted_knee": 16, "kv_tokens": 1024}, control)
+    tok_ax, ttft_ax = fig.axes
+    for ax, value in ((tok_ax, 75.0), (ttft_ax, 3300.0)):
+        (mark,) = [l for l in ax.lines if l.get_label().startswith("control")]
+        assert list(mark.get_xdata()) == [32] and list(mark.get_ydata()) == [value]
+        lo, hi = ax.get_ylim()
+        assert value < hi - 0.05 * (hi - lo)  # the marker clear of the frame, not cut by it
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "KV budget 1024 tokens" in labels and "control: KV for every request" in labels
+    plt.close(fig)

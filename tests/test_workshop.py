@@ -236,3 +236,79 @@ def test_jupyterlab_started_as_make_lab_serves_no_news_prompt(tmp_path):
         assert redirect.value.code in (301, 302)
         location = redirect.value.headers["Location"].split("?")[0]
         assert location.endswith(f"/lab/tree/{NOTEBOOKS[0].name}")
+
+
+RELEASE_SCRIPT = r"""
+import json, sys, threading, urllib.request
+import ipywidgets
+import kvlab
+from kvlab import LLM, SamplingParams
+from kvlab.server import BackgroundServer
+from kvlab.workshop import release
+
+llm = LLM(max_model_len=64)
+slider = ipywidgets.IntSlider()
+slider.observe(lambda change, engine=llm: None, "value")  # a callback that keeps an engine
+ns = {"engines": {"one": llm}, "loaded": kvlab.load_model(), "n": 3, "tok": llm.get_tokenizer(),
+      "Out": {1: "a displayed value"}, "_": "the last result", "_7": llm}
+# Bound to no name: only its thread holds it. In key mode, with a request served: aiohttp
+# then caches the middleware chain, and with it the application (server.py says why).
+server = BackgroundServer(LLM(max_model_len=64), api_keys={"key-a": "tenant-a"})
+request = urllib.request.Request(server.url + "/v1/models", headers={"Authorization": "Bearer key-a"})
+urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=60).read()
+del server
+ns["engines"]["one"].generate("hello", SamplingParams(max_tokens=2))
+threads = [t for t in threading.enumerate() if t.name == "kvlab-server"]
+params = sum(p.numel() * p.element_size() for p in ns["loaded"].hf_model.parameters())
+del llm, slider
+freed = release(ns)
+again = LLM(max_model_len=64).generate("hello", SamplingParams(max_tokens=2))[0]
+print(json.dumps({**freed, "left": sorted(ns), "server_alive": any(t.is_alive() for t in threads),
+                  "param_mib": params / 2**20, "again": len(again.outputs[0].token_ids)}))
+"""
+
+
+@pytest.mark.slow
+def test_release_frees_the_chapters_engines_and_weights_and_the_kernel_stays_usable():
+    """A chapter's last cell: every name that leads to the weights goes (a dict of engines, a
+    loaded model), servers stop, widgets close (a callback held an engine), IPython's output
+    history is emptied, nothing else is touched, and a new LLM() works afterwards. In a
+    process of its own: this test session's other tests hold engines of their own."""
+    proc = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(out["deleted"]) == ["engines", "loaded"]  # what leads to the weights
+    assert out["left"] == ["Out", "n", "tok"] and not out["server_alive"]
+    assert out["weights_held"] == 0  # nothing kept the transformers model alive
+    # The weights are held twice (transformers' and the fused copy): most of that must leave
+    # the process's resident memory, or the release freed nothing a laptop would notice.
+    assert out["rss_before_mib"] - out["rss_after_mib"] > out["param_mib"]
+    assert out["again"] == 2
+
+
+SHELL_SCRIPT = r"""
+import json
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+for cell in ("from kvlab import LLM, SamplingParams",
+             "import ipywidgets",
+             "llm = LLM(max_model_len=64)",
+             # displayed as a cell's result: IPython keeps it as Out[4], _4 (also in its hidden
+             # namespace) and in its display hook's _, although no name of the chapter holds it
+             "box = ipywidgets.VBox(); box.engine = llm; box",
+             "del llm, box",
+             "from kvlab.workshop import release",
+             "freed = release(globals())"):
+    assert shell.run_cell(cell, store_history=True).success, cell  # numbered, as in a kernel
+print(json.dumps(shell.user_ns["freed"]))
+"""
+
+
+@pytest.mark.slow
+def test_release_in_ipython_also_empties_its_output_history():
+    proc = subprocess.run([sys.executable, "-c", SHELL_SCRIPT], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["weights_held"] == 0, out

@@ -1,6 +1,6 @@
 """Benchmarks: kvlab against its peers, side by side in one run, reported as ratios.
 
-    python -m kvlab.bench reproduce [NAME ...]  # the published experiments, JSON and CSV
+    python -m kvlab.bench reproduce [NAME ...]  # the chapters' experiments, JSON and CSV
     python -m kvlab.bench speed            # kvlab vs transformers generate, batch 1 and 16
     python -m kvlab.bench cow              # KV memory saved by block sharing (chapter 02)
     python -m kvlab.bench sched            # continuous batching and chunked prefill targets

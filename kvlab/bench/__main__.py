@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     from kvlab.bench.api import API_EXPERIMENTS, SIZES
     from kvlab.bench.reproduce import EXPERIMENTS
 
-    p = sub.add_parser("reproduce", help="the published experiments each chapter reproduces, "
+    p = sub.add_parser("reproduce", help="the cited experiments each chapter reproduces, "
                                          "tables saved as JSON and CSV; with --base-url, "
                                          "those measurable from outside, through any "
                                          "OpenAI-compatible server (vLLM, kvlab serve)")

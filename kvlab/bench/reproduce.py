@@ -1,4 +1,4 @@
-"""The published experiments each chapter reproduces, one named function each, as
+"""The cited experiments each chapter reproduces, one named function each, as
 `python -m kvlab.bench reproduce`.
 
 The figures come from the PagedAttention, Orca and Sarathi-Serve papers and from three articles

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 from kvlab.viz.axes import _colour, _log2_axes
 
@@ -102,7 +103,9 @@ def plot_roofline_sweep(results: dict):
     ax2.set_xticks(range(len(rows)), [str(b) for b in batches])
     ax2.set_xlabel(f"running requests (context {ctx})")
     ax2.set_ylabel("share of the ceiling (%)")
-    ax2.legend(fontsize=7)
+    # Headroom above the tallest bar's label, so the legend (top) covers no label.
+    ax2.set_ylim(0, 1.35 * max(100 * r["fraction_mm"] for r in rows))
+    ax2.legend(fontsize=7, loc="upper center", ncol=2)
     ax2.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig
@@ -119,32 +122,49 @@ def plot_api_run(results: dict):
         rows = [r for r in results[name] if r.get("result") != "not measurable"]
         if name == "concurrency":
             levels = [str(r["concurrency"]) for r in rows]
-            bars = ax.bar(levels, [r["tok_s"] for r in rows], color=_colour(0))
-            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            bars = ax.bar(levels, [r["tok_s"] for r in rows], color="0.55")
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
             ax.set_xlabel("concurrency (2c requests, closed loop)")
             ax.set_ylabel("output tokens/s")
             twin = ax.twinx()
-            twin.plot(levels, [r["ttft_median_ms"] for r in rows], "o-", color=_colour(1))
-            twin.set_ylabel("TTFT median (ms)", color=_colour(1))
-            twin.set_ylim(bottom=0)
+            ttfts = [r["ttft_median_ms"] for r in rows]
+            twin.plot(levels, ttfts, "o-", color="black")
+            for x, y in zip(levels, ttfts):
+                twin.annotate(f"{y:,.0f} ms", (x, y), xytext=(6, -3), textcoords="offset points",
+                              fontsize=8, color="black", va="top")
+            twin.set_ylabel("TTFT median (ms)", color="black")
+            twin.set_ylim(0, 1.2 * max(ttfts))  # no point on the frame
+            ax.set_ylim(0, 1.2 * max(r["tok_s"] for r in rows))
+            ax.set_title("bars: tokens/s; line: TTFT", fontsize=9)
         elif name == "prefix-cache":
             r = rows[0]
             keys = [("cold", "cold_ttft_ms"), ("warm", "warm_ttft_ms"),
                     ("after reset", "after_reset_ttft_ms")]
             keys = [(label, k) for label, k in keys if r.get(k) is not None]
+            # One meaning per colour across the panels: blue = nothing cached (cold), orange =
+            # cached blocks found; after the reset it is cold again, hatched to tell it apart.
             bars = ax.bar([label for label, _ in keys], [r[k] for _, k in keys],
-                          color=[_colour(i) for i in range(len(keys))])
+                          color=[_colour(1) if label == "warm" else _colour(0)
+                                 for label, _ in keys],
+                          hatch=["//" if label == "after reset" else "" for label, _ in keys])
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
             ax.set_ylabel("TTFT (ms)")
             ax.set_title(f"shared prefix, {r['prompt_tokens']}-token prompts", fontsize=9)
+            ax.margins(y=0.12)  # the tallest bar's label inside the frame
         else:
             table = [r for r in rows if r.get("experiment") == "salt table" and "order" in r]
-            bars = ax.bar([f"{r['order']}: {r['cache_salt']}" for r in table],
-                          [r["ttft_ms"] for r in table], color=_colour(2))
+            # One label per request on two lines (its place, its salt): side by side they overlap.
+            bars = ax.bar([f"{r['order']}\n{r['cache_salt']}" for r in table],
+                          [r["ttft_ms"] for r in table],
+                          color=[_colour(1) if r["cached_tokens"] else _colour(0) for r in table])
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
             ax.set_ylabel("TTFT (ms)")
             ax.set_title("one document, in order, by cache_salt", fontsize=9)
-            ax.tick_params(axis="x", labelsize=7)
+            ax.legend(handles=[Patch(color=_colour(1), label="found cached blocks"),
+                               Patch(color=_colour(0), label="none cached")],
+                      fontsize=7, loc="upper center", ncol=2)
+            ax.set_ylim(0, 1.3 * max(r["ttft_ms"] for r in table))
+            ax.tick_params(axis="x", labelsize=8)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig

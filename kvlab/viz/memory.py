@@ -195,8 +195,13 @@ def plot_blocks_per_step(series: dict[str, list[int]], title: str = "KV blocks i
     styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]
     for i, (label, blocks) in enumerate(series.items()):
         marker, ls = styles[i % len(styles)]
-        ax.plot(range(1, len(blocks) + 1), blocks, marker=marker, ls=ls, ms=4, color=_colour(i),
-                drawstyle="steps-post", label=f"{label} (peak {max(blocks, default=0)})")
+        # Where runs meet (all end at 0 blocks) one would hide the other: the first is drawn
+        # on top with small filled markers, each later one below it with larger hollow ones,
+        # so a shared point shows both.
+        ax.plot(range(1, len(blocks) + 1), blocks, marker=marker, ls=ls, color=_colour(i),
+                ms=4 if i == 0 else 7, mfc=None if i == 0 else "none",
+                drawstyle="steps-post", label=f"{label} (peak {max(blocks, default=0)})",
+                zorder=2 + len(series) - i)
     ax.set_xlabel("step")
     ax.set_ylabel("blocks in use")
     ax.set_title(title, fontsize=9)

@@ -39,8 +39,12 @@ def format_hash_chain(prompts: dict[str, list[int]], block_size: int, salts=None
     return "\n".join(lines)
 
 
-def plot_ttft_attack(result: dict, ax=None):
-    """Tenant B's TTFT per trial, coloured by whether tenant A had sent the document."""
+def plot_ttft_attack(result: dict, ax=None, same_scale_as: dict | None = None):
+    """Tenant B's TTFT per trial, coloured by whether tenant A had sent the document.
+
+    same_scale_as: another `timing_attack` result (the unsalted run) whose TTFTs the y axis
+    spans too, so the two plots compare at a glance: a defended run's points all sit where the
+    undefended run's misses did."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6.4, 3))
     for sent, colour, label in ((True, "tab:red", "A had sent it"),
@@ -49,6 +53,9 @@ def plot_ttft_attack(result: dict, ax=None):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=colour, label=label)
     ax.axhline(result["threshold_ms"], color="k", ls="--", lw=1, label="B's threshold")
     log_axis(ax.yaxis)
+    shown = [result["threshold_ms"]] + [r["ttft_ms"] for run in (result, same_scale_as) if run
+                                        for r in run["rows"]]
+    ax.set_ylim(min(shown) / 1.5, max(shown) * 1.5)  # a decade or so: several labelled ticks
     ax.set_xlabel("trial")
     ax.set_ylabel("B's TTFT (ms)")
     salted = "with per-tenant cache_salt" if result["salted"] else "no salt"

@@ -57,13 +57,22 @@ def _concurrency_axes(fig, ax1, ax2, knee: int | None = None) -> None:
     fig.tight_layout()
 
 
-def plot_capacity(sweep: dict):
-    """The KV-capacity knee: throughput flattens and TTFT climbs past KV tokens / request."""
+def plot_capacity(sweep: dict, control: dict | None = None):
+    """The KV-capacity knee: throughput flattens and TTFT climbs past KV tokens / request.
+
+    control: one row of the same sweep run with KV for every request (no knee in reach), drawn
+    as a hollow marker at its concurrency, so the KV budget's effect is read off the figure."""
     rows = sweep["rows"]
     cs = [r["concurrency"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax1.plot(cs, [r["tok_s"] for r in rows], "o-")
-    ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:red")
+    budget = f"KV budget {sweep['kv_tokens']} tokens"
+    ax1.plot(cs, [r["tok_s"] for r in rows], "o-", label=budget)
+    ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:red", label=budget)
+    if control is not None:
+        for ax, key, colour in ((ax1, "tok_s", "tab:blue"), (ax2, "ttft_median_ms", "tab:red")):
+            ax.plot([control["concurrency"]], [control[key]], "o", mfc="none", ms=9, mew=1.5,
+                    color=colour, label="control: KV for every request")
+            ax.margins(y=0.15)  # the hollow marker is often the highest point: not on the frame
     for c, r in zip(cs, rows):
         if r["preemptions"]:
             # Below and left of its point, so that the last point's label stays on the axes.
