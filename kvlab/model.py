@@ -202,11 +202,6 @@ def loaded_weights() -> list[torch.nn.Module]:
     return list(_LOADED_WEIGHTS)
 
 
-def loaded_weights_alive() -> int:
-    """How many loaded transformers models are still alive (held by anything at all)."""
-    return len(_LOADED_WEIGHTS)
-
-
 @functools.lru_cache(maxsize=4)
 def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

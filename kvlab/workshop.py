@@ -69,7 +69,7 @@ def release(namespace: dict) -> dict:
     many loaded models something still holds (0 when the chapter let go of everything)."""
     import gc
 
-    from kvlab.model import forget_loaded_models, loaded_weights, loaded_weights_alive
+    from kvlab.model import forget_loaded_models, loaded_weights
     from kvlab.server import BackgroundServer
 
     before = resident_mib()
@@ -91,9 +91,16 @@ def release(namespace: dict) -> dict:
         if isinstance(history, dict):
             history.clear()
     targets = {id(w) for w in loaded_weights()}
+    # Not followed: modules and their dicts, the namespace itself (a function refers to its
+    # globals: every function would lead everywhere) and IPython's shell (its `exit`,
+    # `get_ipython` and the like lead to all of it). Built once for all the names.
+    stop = {id(namespace), id(sys.modules)}
+    stop |= {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
+    if shell is not None:
+        stop.add(id(shell))
     deleted, safe = [], set()
     for name, value in list(namespace.items()):
-        if not name.startswith("_") and _leads_to(value, targets, safe, namespace):
+        if not name.startswith("_") and _leads_to(value, targets, safe, stop):
             del namespace[name]
             deleted.append(name)
     forget_loaded_models()
@@ -104,24 +111,17 @@ def release(namespace: dict) -> dict:
               f": resident memory {before:,.0f} MiB before, {after:,.0f} MiB after")
     return {"deleted": deleted, "rss_before_mib": before, "rss_after_mib": after,
             "summary": f"released {', '.join(deleted) or 'nothing'}{memory}",
-            "weights_held": loaded_weights_alive()}
+            "weights_held": len(loaded_weights())}
 
 
-def _leads_to(value, targets: set[int], safe: set[int], namespace: dict) -> bool:
+def _leads_to(value, targets: set[int], safe: set[int], stop: set[int]) -> bool:
     """Whether the objects `value` refers to, followed all the way, include one of `targets`.
 
-    Not followed: modules and their dicts, classes, the namespace itself (a function refers
-    to its globals: every function would lead everywhere) and IPython's shell (its `exit`,
-    `get_ipython` and the like lead to all of it). `safe` collects objects already searched
-    to the end without a hit, so later names skip them."""
+    Neither `stop` (ids) nor classes and modules are followed. `safe` collects objects already
+    searched to the end without a hit, so later names skip them."""
     import gc
     import types
 
-    stop = {id(namespace), id(sys.modules)}
-    stop |= {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
-    shell = _ipython_shell(namespace)
-    if shell is not None:
-        stop.add(id(shell))
     seen: set[int] = set()
     stack = [value]
     while stack:

@@ -421,11 +421,11 @@ async def timing_audit(server: Server, rng: random.Random, doc_words: int, trial
         if a_sent:
             await send(doc, "tenant-a")
         correct += (await send(doc, "tenant-b") < threshold) == a_sent
-    accuracy, blind = correct / trials, sends.count(False) / trials
+    accuracy, not_sent = correct / trials, sends.count(False) / trials
     return {"experiment": "timing attack", "cache_salt": "per tenant" if salted else "none",
             "trials": trials, "accuracy": round(accuracy, 3),
-            "not_sent_share": round(blind, 3), "threshold_ms": ms(threshold),
-            "verdict": audit_verdict(accuracy, blind)}
+            "not_sent_share": round(not_sent, 3), "threshold_ms": ms(threshold),
+            "verdict": audit_verdict(accuracy, not_sent)}
 
 
 def audit_verdict(accuracy: float, not_sent_share: float) -> str:
