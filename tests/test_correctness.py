@@ -31,6 +31,7 @@ def test_greedy_matches_transformers(block_size, kv_layout, text_ids, hf_greedy)
     assert_no_blocks_held(llm)
 
 
+@pytest.mark.slow
 def test_paged_equals_contiguous_equals_reference_and_flex_attention(text_ids):
     prompts = [{"prompt_token_ids": text_ids[i : i + 20 + 9 * i]} for i in range(6)]
     results = []
@@ -43,6 +44,7 @@ def test_paged_equals_contiguous_equals_reference_and_flex_attention(text_ids):
     assert results[0] == results[1] == results[2] == results[3]
 
 
+@pytest.mark.slow
 def test_flex_attention_with_chunks_prefix_hits_and_preemption(text_ids, hf_greedy):
     """The GPU path's mask (block tables -> which pool slots each token sees) on a CPU, eagerly:
     chunked prompts, shared cached blocks and recomputed preempted requests all go through it."""

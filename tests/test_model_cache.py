@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CHILD = """
 import sys
 from safetensors import safe_open
@@ -18,6 +20,7 @@ print(folder)
 """
 
 
+@pytest.mark.slow
 def test_three_first_loads_at_once_all_succeed(tmp_path):
     """Three processes converting the GGUF into one empty KVLAB_CACHE: before the lock, each
     replaced the folder another had just finished, and one failed to load it."""

@@ -28,6 +28,7 @@ def test_decode_ceiling_arithmetic(loaded):
     assert many["tok_s"] > one["tok_s"]
 
 
+@pytest.mark.slow
 def test_compare_peers_short_warmup_times_the_checked_run(monkeypatch):
     """The notebook's shortcut: a two-token warm-up per contender, then one run, both checked
     and timed (one timing per row); the full warm-up is a whole untimed run first."""

@@ -35,10 +35,21 @@ def test_environment_yml_matches_pyproject_and_makefile():
     assert tuple(map(int, python_min.split("."))) <= (3, 11)
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_commands():
+    """CI runs `make test-all`, which is `make test` and then the rest: the slow tests and the
+    chapters at their committed size. `make test` runs the chapters at KVLAB_SIZE=small."""
     ci = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
-    assert "make test" in ci and "make test" in readme and "make lab" in readme
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^make test-all$", ci, re.M)
+    assert "make test " in readme and "make test-all" in readme and "make lab" in readme
+    recipes = {m.group(1): (m.group(2), m.group(3)) for m in
+               re.finditer(r"^([\w-]+): ?(.*)\n((?:\t.*\n)+)", makefile, re.M)}
+    fast_deps, fast = recipes["test"]
+    all_deps, rest = recipes["test-all"]
+    assert "setup" in fast_deps and "test" in all_deps.split()
+    assert '-m "not slow"' in fast and "KVLAB_SIZE=small" in fast and "notebooks" in fast
+    assert "-m slow" in rest and "KVLAB_SIZE=full" in rest and "notebooks" in rest
 
 
 def test_notebooks_are_committed_executed_and_clean():

@@ -65,6 +65,7 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
+@pytest.mark.slow
 def test_hundreds_of_requests_under_preemption_stay_exact_and_flat(text_ids, plain):
     prompts = [{"prompt_token_ids": text_ids[i % 150 : i % 150 + 6 + i % 11]} for i in range(240)]
     roomy = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids

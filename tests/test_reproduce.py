@@ -30,6 +30,7 @@ def test_table_json_and_csv_keep_every_row_and_column(tmp_path):
     assert back[1]["identical"] == "true"
 
 
+@pytest.mark.slow
 def test_cli_runs_an_experiment_on_the_real_model_and_saves_it(tmp_path, capsys):
     main(["reproduce", "paged-admission", "--repeats", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out

@@ -244,6 +244,7 @@ def test_metrics_under_vllm_names(served, text_ids):
     assert f'model_name="{name}"' in labels and 'engine="0"' in labels
 
 
+@pytest.mark.slow
 def test_disconnect_storm_leaks_nothing_and_logs_one_line_each(served, caplog):
     _, llm, client, name = served
     import asyncio

@@ -173,6 +173,13 @@ def test_api_figure_reads_at_a_glance():
     assert not _any_overlap(_boxes(salt_ax.get_xticklabels(), renderer))
     assert max(twin.lines[0].get_ydata()) < twin.get_ylim()[1]  # not on the frame
     assert max(b.get_height() for b in conc.patches) < conc.get_ylim()[1]
+    # The bars' labels sit clear of the TTFT line: no point along it falls inside one.
+    xy = twin.transData.transform(twin.lines[0].get_xydata())
+    along = [xy[i] + t * (xy[i + 1] - xy[i]) for i in range(len(xy) - 1)
+             for t in [k / 50 for k in range(51)]]
+    labels = _boxes(conc.texts, renderer)
+    assert len(labels) == 2 and all("tok/s" in t.get_text() for t in conc.texts)
+    assert not any(box.contains(x, y) for box in labels for x, y in along)
     legend = salt_ax.get_legend().get_window_extent(renderer)
     assert not any(legend.overlaps(b) for b in _boxes(salt_ax.texts, renderer))
     colours = {b.get_facecolor() for b in salt_ax.patches}
@@ -222,4 +229,25 @@ def test_capacity_figure_draws_the_control_beside_the_sweep():
         assert value < hi - 0.05 * (hi - lo)  # the marker clear of the frame, not cut by it
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
         assert "KV budget 1024 tokens" in labels and "control: KV for every request" in labels
+    plt.close(fig)
+
+
+def test_concurrency_legend_covers_no_point_or_whisker():
+    """03's figure: the legend once sat over the top point's whisker ("best" does not count
+    error bars as data). Every marker and whisker end stays outside both panels' legends."""
+    rows = [{"server": "max_num_seqs=1", "concurrency": c, "tok_s": t, "tok_s_spread": [t, t],
+             "ttft_median_ms": m} for c, t, m in ((1, 16.3, 120.0), (16, 20.5, 6100.0))]
+    rows += [{"server": "default", "concurrency": c, "tok_s": t, "tok_s_spread": [t - d, t + d],
+              "ttft_median_ms": m}
+             for c, t, d, m in ((1, 21.0, 0.5, 110.0), (4, 61.0, 1.0, 300.0),
+                                (16, 74.5, 14.0, 1900.0))]
+    fig = viz.plot_concurrency(rows)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        points = [ax.transData.transform(xy) for line in ax.lines for xy in line.get_xydata()]
+        points += [ax.transData.transform(xy) for coll in ax.collections
+                   for seg in coll.get_segments() for xy in seg]  # the whiskers' ends
+        assert points and not any(legend.contains(x, y) for x, y in points), ax.get_ylabel()
     plt.close(fig)

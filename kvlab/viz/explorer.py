@@ -148,7 +148,7 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
             ax_pool.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
                          color="white" if state == SHARED else "black")
         if small and state != SHARED:
-            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=5, color="0.3")
+            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color="0.3")
     for r in range(rows):
         ax_pool.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
                      fontsize=6, color="0.3")
