@@ -103,6 +103,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure("paged_sim.paged", 65, "requests", _A2, "paged manager, admitted at once (about 3.4x)",
            "pure Python, no GPU",
            "10,000 slots, max_len 512, blocks of 16, 100 requests of lengths uniform in 10-512"),
+    Figure("paged_sim.block_size_sweet_spot", (16, 32), "tokens per block", _A2,
+           "block-size trade-off: small blocks cost table entries and accesses, large ones "
+           "waste their last block; the usual sweet spot", "pure Python, no GPU",
+           "100 requests of lengths uniform in 10-512, blocks of 4 to 128"),
     # ---- [Remeasure]: the concurrency table (a closed loop)
     _remeasure("remeasure.kv_tokens", 40208, "tokens", "KV capacity of its server",
                "4.3 GiB of KV, 114,688 bytes per token"),
@@ -155,6 +159,9 @@ FIGURES: tuple[Figure, ...] = (
              "past capacity: TTFT median with 7 preemptions", "input 2,048 at concurrency 32"),
     _anatomy("kv_anatomy.chunk.max_gap_ms", (69, 445), "ms",
              "insertion table: max gap at budget 512, 2,048 (227, the default) and unchunked",
+             "one 300-token decode, three 3,500-token prompts inserted"),
+    _anatomy("kv_anatomy.chunk.ttft_slower", (3, 5), "%",
+             "insertion table: the inserted prompt's TTFT with small chunks, against unchunked",
              "one 300-token decode, three 3,500-token prompts inserted"),
     _anatomy("kv_anatomy.prefix.cold_ms", 394, "ms", "prefix table: first request, on",
              _A1_PREFIX),

@@ -1,6 +1,6 @@
 """The workshop's one size setting: `KVLAB_SIZE=small` runs the long sweeps smaller.
 
-Introduced in the Setup section of every notebook; the long measurements of chapters 02-07 pick
+Introduced in the Setup section of every notebook; the long measurements of chapters 03-07 pick
 their sizes through `sized`. The default is `full`, and the committed notebooks are the full run.
 A participant on a slow laptop sets it in a cell (`%env KVLAB_SIZE=small`) or before starting
 JupyterLab (`KVLAB_SIZE=small make lab`).

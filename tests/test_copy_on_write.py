@@ -77,6 +77,7 @@ def test_greedy_samples_are_identical_and_contiguous_forks_by_copying(text_ids, 
         assert_no_blocks_held(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beam_width", [2, 4])
 def test_beam_search_equals_transformers(llm, loaded, beam_width):
     tok = loaded.tokenizer
@@ -102,6 +103,7 @@ def test_beam_search_equals_transformers(llm, loaded, beam_width):
     assert llm.stats()["num_cow_copies"] > 0
 
 
+@pytest.mark.slow
 def test_beam_search_bad_input_and_exhaustion(text_ids):
     small = LLM(block_size=4, max_model_len=64, kv_cache_tokens=64)  # 16 blocks
     prompt = {"prompt_token_ids": text_ids[:20]}

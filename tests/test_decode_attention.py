@@ -91,6 +91,7 @@ def test_mixed_steps_give_transformers_tokens(block_size, text_ids, hf_greedy):
     assert_no_blocks_held(llm)
 
 
+@pytest.mark.slow
 def test_preemption_and_small_copy_groups_keep_tokens(text_ids, hf_greedy, monkeypatch):
     """Recomputed (preempted) requests and one copy group per sequence: the same tokens."""
     monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 1)

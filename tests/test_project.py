@@ -85,6 +85,7 @@ def test_gpu_check_script_runs_its_checks_here(loaded, text_ids):
     assert gpu_check.flex_logit_diff(loaded, text_ids[:40]) < 1e-3
 
 
+@pytest.mark.slow
 def test_gpu_check_parts_fail_alone_and_report_pass_fail_skipped(tmp_path, monkeypatch):
     """One broken part records its error, one that hangs fails at its limit with the stacks
     of every thread, one that cannot run here is skipped with the reason; every other part

@@ -19,6 +19,7 @@ def plain():
     return LLM(block_size=16, max_model_len=256, kv_cache_tokens=8192, backend="reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 def test_random_knobs_arrivals_and_aborts(seed, plain, text_ids):
     rng = random.Random(seed)

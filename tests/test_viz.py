@@ -251,3 +251,20 @@ def test_concurrency_legend_covers_no_point_or_whisker():
                    for seg in coll.get_segments() for xy in seg]  # the whiskers' ends
         assert points and not any(legend.contains(x, y) for x, y in points), ax.get_ylabel()
     plt.close(fig)
+
+
+def test_roofline_draws_one_ceiling_where_torch_mm_was_the_fastest_matmul():
+    """Where torch.mm itself was the fastest matmul measured, the two ceilings coincide: one
+    line and one set of bars, labelled so, not a dotted line hidden under a dashed one."""
+    def rows(peak_factor):
+        return [{"batch": b, "context": 64, "step_ms": 10.0 * b, "tok_s": 100.0,
+                 "ceiling_ms_mm": 3.7 * b, "ceiling_ms_peak": 3.7 * b * peak_factor,
+                 "fraction_mm": 0.37, "fraction_peak": 0.37 * peak_factor} for b in (1, 16, 64)]
+    for factor, lines, bar_sets in ((1.0, 1, 1), (0.8, 2, 2)):
+        fig = viz.plot_roofline_sweep({"context": 64, "rows": rows(factor)})
+        ax1, ax2 = fig.axes[:2]
+        ceilings = [l for l in ax1.get_lines() if l.get_label().startswith("ceiling")]
+        assert len(ceilings) == lines and len(ax2.containers) == bar_sets, factor
+        if lines == 1:
+            assert "fastest matmul here" in ceilings[0].get_label()
+        plt.close(fig)

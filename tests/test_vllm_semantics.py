@@ -65,6 +65,7 @@ def test_identical_blocks_both_stay_findable_when_one_is_evicted():
     pool.check_invariants()
 
 
+@pytest.mark.slow
 def test_preempted_requests_count_apart_from_the_hit_rate(text_ids):
     # 18 blocks of 4 for four 30-token prompts growing to 54: someone is preempted.
     tight = LLM(block_size=4, max_model_len=64, kv_cache_tokens=72, enable_prefix_caching=True)

@@ -19,6 +19,7 @@ def _capacity_workload(text_ids, n=8, prompt_len=40):
     return [{"prompt_token_ids": text_ids[i * 7 : i * 7 + prompt_len]} for i in range(n)]
 
 
+@pytest.mark.slow
 def test_full_prompt_admission_preempts_less_and_changes_no_token(text_ids):
     """scheduler_reserve_full_isl (vllm/config/scheduler.py, default True): with a 32-token
     chunk budget and a pool for about four requests, admitting on the first chunk lets more

@@ -20,7 +20,8 @@ def plot_kv_memory(bytes_per_token: int, seq_lens, batch_sizes, budget_bytes: fl
         ax.plot(seq_lens, [b * s * bytes_per_token / GIB for s in seq_lens], marker="o", ms=3,
                 label=f"batch {b}")
     if budget_bytes is not None:
-        ax.axhline(budget_bytes / GIB, color="k", ls="--", lw=1, label="KV budget")
+        ax.axhline(budget_bytes / GIB, color="k", ls="--", lw=1,
+                   label=f"KV budget ({budget_bytes / GIB:,.3g} GiB)")
     ax.set_xlabel("tokens per request (prompt + output)")
     ax.set_ylabel("KV cache (GiB)")
     ax.set_title(f"{title}: {bytes_per_token:,} bytes/token")

@@ -83,12 +83,18 @@ def plot_capacity(sweep: dict, control: dict | None = None):
             ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=8,
                          textcoords="offset points", xytext=(-6, -4), ha="right", va="top")
     _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"])
+    # Below each panel, not on it: the lines rise and fall across the whole width and the
+    # knee's dashed line crosses the middle, so no corner of the axes is reliably empty.
+    for ax in (ax1, ax2):
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    fig.set_size_inches(9, 4.3)
+    fig.tight_layout()
     return fig
 
 
 def plot_stall(runs: list):
     """The decoding request's inter-token gaps over time, one line per budget (StallRuns)."""
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = plt.subplots(figsize=(8.6, 3.4))
     for i, run in enumerate(runs):
         t = run.decode_times
         label = "no chunking" if run.budget is None else f"budget {run.budget}"
@@ -104,7 +110,9 @@ def plot_stall(runs: list):
     ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
     ax.set_ylabel("gap since the previous token (ms)")
     log_axis(ax.yaxis)
-    ax.legend(fontsize=7)
+    # Beside the axes: the steps fill the whole frame, and "best" can only pick the emptiest
+    # corner, which still touched the unchunked run's points.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
