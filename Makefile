@@ -33,21 +33,23 @@ $(LAB_OVERRIDES): jupyter/overrides.json | $(STAMP)
 	mkdir -p $(dir $@)
 	cp $< $@
 
-# nbval's options: compare only the cells marked NBVAL_CHECK_OUTPUT, in this venv's kernel.
+# pytest without its cache folder; nbval's options: compare only the cells marked
+# NBVAL_CHECK_OUTPUT, in this venv's kernel.
+PYTEST := $(PY) -m pytest -p no:cacheprovider
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
 # make test: the check to run on your own machine, under a quarter of an hour on two cores:
 # every test but those marked slow, then every chapter top to bottom at KVLAB_SIZE=small (the
 # sizes a slow laptop runs, which no other target executes).
 test: setup
-	$(PY) -m pytest tests -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
-	KVLAB_SIZE=small $(PY) -m pytest notebooks $(NBVAL) -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) tests -m "not slow" $(PYTEST_ARGS)
+	KVLAB_SIZE=small $(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
 
 # make test-all: what CI runs (.ci/run): make test, then the slow tests, then every chapter at
 # the size its committed outputs were made at. Together every test there is, at both sizes.
 test-all: test
-	$(PY) -m pytest tests -m slow -p no:cacheprovider $(PYTEST_ARGS)
-	KVLAB_SIZE=full $(PY) -m pytest notebooks $(NBVAL) -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) tests -m slow $(PYTEST_ARGS)
+	KVLAB_SIZE=full $(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
@@ -72,10 +74,10 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 unit: setup
-	$(PY) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) tests $(PYTEST_ARGS)
 
 notebooks: setup
-	$(PY) -m pytest notebooks $(NBVAL) -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
 
 # The instructor's copies of chapters 00-06, every exercise answered, into build/solved/.
 solved: setup

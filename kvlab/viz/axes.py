@@ -37,10 +37,12 @@ def log_axis(axis, base: int = 10, ticks=None) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _log2_axes(ax, xlabel: str, ylabel: str, ticks=None, legend_size: int = 8) -> None:
-    """A log2 x axis (ticks at `ticks`, written as plain numbers), labels, legend and grid."""
+def _log2_axes(ax, xlabel: str, ylabel: str, ticks=None, legend_size: int = 8,
+               legend: dict | None = None) -> None:
+    """A log2 x axis (ticks at `ticks`, written as plain numbers), labels, legend and grid.
+    `legend`: where to put the legend (matplotlib's legend keywords); default "best"."""
     log_axis(ax.xaxis, base=2, ticks=ticks)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=legend_size)
+    ax.legend(fontsize=legend_size, **(legend or {}))
     ax.grid(alpha=0.3)

@@ -88,9 +88,12 @@ def plot_roofline_sweep(results: dict):
     # say so, rather than a dotted line hidden under a dashed one.
     same = all(abs(r["ceiling_ms_mm"] - r["ceiling_ms_peak"]) <= 1e-3 * r["ceiling_ms_mm"]
                for r in rows)
-    ceilings = ((("peak", "--", "torch.mm, the fastest matmul here"),) if same else
-                (("mm", "--", "torch.mm rate"), ("peak", ":", "fastest matmul")))
-    for key, style, name in ceilings:
+    # (key, line style, the line's name, the bars' name)
+    ceilings = ((("peak", "--", "torch.mm, the fastest matmul here",
+                  "of the ceiling (torch.mm, the fastest matmul here)"),) if same else
+                (("mm", "--", "torch.mm rate", "of ceiling (torch.mm rate)"),
+                 ("peak", ":", "fastest matmul", "of ceiling (fastest matmul)")))
+    for key, style, name, _ in ceilings:
         ax1.plot(batches, [1000 * r["batch"] / r[f"ceiling_ms_{key}"] for r in rows], style,
                  color="k", label=f"ceiling ({name})")
     for i, c in enumerate(sorted({r["context"] for r in others})):
@@ -99,11 +102,9 @@ def plot_roofline_sweep(results: dict):
                  color=_colour(i + 1), label=f"kvlab, context {c}")
     _log2_axes(ax1, "running requests (decode batch)", "decode tokens/s", ticks=batches,
                legend_size=7)
-    shares = ((("peak", "of the ceiling (torch.mm, the fastest matmul here)"),) if same else
-              (("mm", "of ceiling (torch.mm rate)"), ("peak", "of ceiling (fastest matmul)")))
-    width = 0.8 / len(shares)
-    for i, (key, name) in enumerate(shares):
-        xs = [j + (i - (len(shares) - 1) / 2) * width for j in range(len(rows))]
+    width = 0.8 / len(ceilings)
+    for i, (key, _, _, name) in enumerate(ceilings):
+        xs = [j + (i - (len(ceilings) - 1) / 2) * width for j in range(len(rows))]
         bars = ax2.bar(xs, [100 * r[f"fraction_{key}"] for r in rows], width,
                        color=_colour(i), label=name)
         ax2.bar_label(bars, fmt="%.0f%%", fontsize=7)

@@ -43,21 +43,20 @@ def plot_concurrency(rows: list[dict], key: str = "server"):
                      yerr=[[r["tok_s"] - r["tok_s_spread"][0] for r in pts],
                            [r["tok_s_spread"][1] - r["tok_s"] for r in pts]])
         ax2.plot(cs, [r["ttft_median_ms"] for r in pts], marker="o", label=name)
-    _concurrency_axes(fig, ax1, ax2)
     # Both rise with concurrency, so the top left is empty: "best" can put the legend over the
     # top point's whisker, which it does not count as data.
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=8, loc="upper left")
+    _concurrency_axes(fig, ax1, ax2, legend={"loc": "upper left"})
     return fig
 
 
-def _concurrency_axes(fig, ax1, ax2, knee: int | None = None) -> None:
-    """Shared styling: throughput left, TTFT right, concurrency on a log2 axis."""
+def _concurrency_axes(fig, ax1, ax2, knee: int | None = None, legend: dict | None = None) -> None:
+    """Shared styling: throughput left, TTFT right, concurrency on a log2 axis; `legend` places
+    both panels' legends (matplotlib's legend keywords)."""
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "TTFT median (ms)")):
         if knee is not None:
             ax.axvline(knee, color="k", ls="--", lw=1,
                        label=f"knee: KV tokens / tokens per request = {knee} requests")
-        _log2_axes(ax, "concurrency", ylabel)
+        _log2_axes(ax, "concurrency", ylabel, legend=legend)
     fig.tight_layout()
 
 
@@ -68,7 +67,7 @@ def plot_capacity(sweep: dict, control: dict | None = None):
     as a hollow marker at its concurrency, so the KV budget's effect is read off the figure."""
     rows = sweep["rows"]
     cs = [r["concurrency"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 4.3))  # room below for the legends
     budget = f"KV budget {sweep['kv_tokens']} tokens"
     ax1.plot(cs, [r["tok_s"] for r in rows], "o-", label=budget)
     ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:red", label=budget)
@@ -82,13 +81,11 @@ def plot_capacity(sweep: dict, control: dict | None = None):
             # Below and left of its point, so that the last point's label stays on the axes.
             ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=8,
                          textcoords="offset points", xytext=(-6, -4), ha="right", va="top")
-    _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"])
     # Below each panel, not on it: the lines rise and fall across the whole width and the
     # knee's dashed line crosses the middle, so no corner of the axes is reliably empty.
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
-    fig.set_size_inches(9, 4.3)
-    fig.tight_layout()
+    _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"],
+                      legend={"loc": "upper center", "bbox_to_anchor": (0.5, -0.2),
+                              "frameon": False})
     return fig
 
 
