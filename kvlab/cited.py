@@ -33,6 +33,7 @@ class Figure:
 _PAGED = "Kwon et al., PagedAttention, SOSP 2023 (arXiv 2309.06180)"
 _ORCA = "Yu et al., Orca, OSDI 2022"
 _SARATHI = "Agrawal et al., Sarathi-Serve, OSDI 2024 (arXiv 2403.02310)"
+_KIVI = "Liu et al., KIVI, ICML 2024 (arXiv 2402.02750)"
 _ARGS = "vLLM 0.33.0, vllm/engine/arg_utils.py (EngineArgs.get_batch_defaults)"
 _A1 = "[KV-Anatomy]"
 _A2 = "[Paged-Sim]"
@@ -81,6 +82,13 @@ FIGURES: tuple[Figure, ...] = (
            "serving capacity under tail-latency limits against vLLM",
            "Mistral-7B on 1 NVIDIA A100 (2.6x); Yi-34B on 2 A100 (up to 3.7x)"),
     # ---- vLLM 0.33.0's defaults (by entry point and GPU memory)
+    Figure("kivi.batch_gain", 4, "x", _KIVI, "abstract: up to this much larger batch size",
+           "the paper's GPU runs of Llama, Falcon and Mistral models",
+           "2-bit K per channel and V per token, a recent window kept in full precision"),
+    Figure("kivi.throughput_gain", (2.35, 3.47), "x", _KIVI,
+           "abstract: throughput on real LLM inference workloads",
+           "the paper's GPU runs of Llama, Falcon and Mistral models",
+           "2-bit K per channel and V per token, a recent window kept in full precision"),
     Figure("vllm.batched_tokens.large_gpu", 16384, "tokens", _ARGS,
            "max_num_batched_tokens: LLM class (the API server 8,192 under 160 GiB)",
            "70 GiB and more, not an A100 (H100, H200); 160 GiB and more: 16,384 for both",

@@ -102,6 +102,9 @@ class EngineSnapshot:
     # How many KV cache events the engine had logged (engine.kv_events) when this was taken:
     # the next snapshot reads the ones after it.
     num_kv_events: int = 0
+    # The pool's precision (vLLM's kv_cache_dtype) and what one token costs it, scales included.
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_token: int = 0
 
     def count(self, state: str) -> int:
         return sum(1 for b in self.blocks if b.state == state)
@@ -166,6 +169,7 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
         requests=requests, token_budget=engine.config.max_num_batched_tokens,
         num_decode_tokens=num_decode, num_prefill_tokens=num_prefill, events=events,
         colours=colours, num_kv_events=engine.num_kv_events,
+        kv_cache_dtype=engine.kv_cache_dtype.name, kv_bytes_per_token=engine.kv_bytes_per_token,
         stats={"num_preemptions": scheduler.num_preemptions, "num_cow_copies": kv.num_cow_copies,
                "prefix_cache_hits": kv.prefix_cache_hits},  # first admissions, as vLLM
     )

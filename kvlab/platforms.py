@@ -37,6 +37,19 @@ def supported_dtypes(device: torch.device) -> list[torch.dtype]:
     return [torch.float32]
 
 
+def cpu_native_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bfloat16 in hardware (x86: AVX512-BF16 or AMX), and what says
+    so. Without it, torch runs bfloat16 matmuls by converting to float32 and back. vLLM's CPU
+    platform lists bfloat16 first on every x86 CPU (`supported_dtypes` in
+    vllm/platforms/cpu.py); kvlab only measures the difference (chapter 08)."""
+    if torch.cpu._is_amx_tile_supported():
+        return True, "AMX tiles"
+    if torch.cpu._is_avx512_bf16_supported():
+        return True, "AVX512-BF16"
+    return False, f"no AVX512-BF16 or AMX (torch's CPU capability: " \
+        f"{torch.backends.cpu.get_cpu_capability()})"
+
+
 def resolve_auto_dtype(device: torch.device) -> torch.dtype:
     """`dtype="auto"`: the device's preferred dtype, with vLLM's warning when a GPU cannot take
     bfloat16 (the dtype auto picks on every newer GPU)."""

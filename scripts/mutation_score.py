@@ -46,6 +46,15 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("block_pool",
      "raise ValueError(f'cannot get {num_blocks} blocks: {len(self.free_queue)} are free')",
      "raise ValueError()"): "only the error's message changes; the pool's behaviour does not",
+    ("quantize_int8", "q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)",
+     "q = torch.round(x.float() / scale[..., None]).clamp(-127).to(torch.int8)"):
+        "with scale = absmax / 127 no value divides past 127: the upper bound never binds",
+    ("quantize_int8", "q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)",
+     "q = torch.round(x.float() / scale[..., None]).clamp(-127, 128).to(torch.int8)"):
+        "no value divides past 127, so a bound of 128 is never reached either",
+    ("quantize_int8", "q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)",
+     "q = torch.round(x.float() / scale[..., None]).clamp(-128, 127).to(torch.int8)"):
+        "no value divides below -127, so a bound of -128 is never reached",
     ("schedule", "running = list(running)", "(deleted)"):
         "preempting then pops from the caller's list, a throwaway copy; the decision returned "
         "is the same",

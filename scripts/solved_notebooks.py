@@ -1,4 +1,4 @@
-"""The instructor's copies of chapters 00-06: every exercise and challenge cell holds kvlab's answer.
+"""The instructor's copies of chapters 00-06 and 08: every exercise and challenge cell holds kvlab's answer.
 
     python scripts/solved_notebooks.py              (or: make solved) into build/solved/
     python scripts/solved_notebooks.py --out DIR
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "solved")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for path in sorted(NOTEBOOKS.glob("0[0-6]_*.ipynb")):
+    for path in sorted(NOTEBOOKS.glob("0[0-68]_*.ipynb")):
         nb, replaced = solve(path)
         nbformat.write(nb, args.out / path.name)
         print(f"{args.out / path.name}: {len(replaced)} answers ({', '.join(replaced)})")

@@ -232,6 +232,22 @@ def alt_choose_chunk_budget(prefill_tokens_per_s, decode_step_s, max_gap_s):
     return max(16, int(tokens) // 16 * 16)
 
 
+def alt_quantize_int8(x):
+    """The same rule written another way: multiply by 127 / absmax, round halves away."""
+    absmax = x.float().abs().max(dim=-1).values
+    scale = torch.where(absmax > 0, absmax / 127, torch.full_like(absmax, 1e-8))
+    y = x.float() / scale.unsqueeze(-1)
+    return torch.trunc(y + 0.5 * torch.sign(y)).to(torch.int8), scale
+
+
+def alt_choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+                        bytes_per_token):
+    ok = sorted((bytes_per_token[d], d) for d, kl in kl_by_dtype.items() if kl <= max_kl)
+    dtype = ok[0][1]
+    tokens = num_requests * math.ceil(request_len / block_size) * block_size
+    return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes": tokens * bytes_per_token[dtype]}
+
+
 ALTERNATIVES = {
     "decode_attention": alt_decode_attention,
     "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
@@ -242,13 +258,14 @@ ALTERNATIVES = {
     "max_num_seqs": alt_max_num_seqs, "rag_layout": alt_rag_prompt,
     "salt_scheme": alt_cache_salt_for, "kv_pool_size": alt_kv_pool_for,
     "fork_pool_size": alt_fork_pool_for, "chunk_budget": alt_choose_chunk_budget,
+    "quantize_int8": alt_quantize_int8, "kv_precision": alt_choose_kv_cache,
 }
 
 
 # ---- the registry --------------------------------------------------------------------------------
 def test_every_chapter_00_to_06_has_an_exercise_under_its_notebook_stem():
-    stems = {p.stem for p in (ROOT / "notebooks").glob("0[0-6]_*.ipynb")}
-    assert len(stems) == 7
+    stems = {p.stem for p in (ROOT / "notebooks").glob("0[0-68]_*.ipynb")}
+    assert len(stems) == 8
     chapters = {ex.chapter for ex in exercises.EXERCISES.values()}
     assert chapters == stems
     for stem in stems:
@@ -476,7 +493,58 @@ def attention_whole_blocks(q, kv_layer, block_table, seq_len, scale):
                                len(block_table) * kv_layer.shape[2], scale)
 
 
+def int8_per_tensor(x):
+    scale = (x.abs().max() / 127).clamp_min(1e-6)
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale.expand(x.shape[:-1]).clone()
+
+
+def int8_per_vector(divisor):
+    def quantize(x):
+        scale = (x.abs().amax(-1) / divisor).clamp_min(1e-6)
+        return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+    return quantize
+
+
+def int8_truncating(x):
+    scale = (x.abs().amax(-1) / 127).clamp_min(1e-6)
+    return (x / scale[..., None]).to(torch.int8), scale  # the cast rounds toward zero
+
+
+def int8_no_floor(x):
+    scale = x.abs().amax(-1) / 127
+    return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def kv_densest(num_requests, request_len, block_size, max_kl, kl_by_dtype, bytes_per_token):
+    dtype = min(bytes_per_token, key=bytes_per_token.get)  # ignores the accuracy bound
+    return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes":
+            num_requests * math.ceil(request_len / block_size) * block_size
+            * bytes_per_token[dtype]}
+
+
+def kv_tokens_not_blocks(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+                         bytes_per_token):
+    dtype = min((d for d in kl_by_dtype if kl_by_dtype[d] <= max_kl), key=bytes_per_token.get)
+    return {"kv_cache_dtype": dtype,
+            "kv_cache_memory_bytes": num_requests * request_len * bytes_per_token[dtype]}
+
+
+def kv_full_precision(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+                      bytes_per_token):
+    return {"kv_cache_dtype": "auto", "kv_cache_memory_bytes": num_requests
+            * math.ceil(request_len / block_size) * block_size * bytes_per_token["auto"]}
+
+
 BUGS = [
+    ("quantize_int8", int8_per_tensor, "the finest step"),
+    ("quantize_int8", int8_per_vector(100), "the finest step"),
+    ("quantize_int8", int8_per_vector(150), "within half a step"),  # clips
+    ("quantize_int8", int8_truncating, "within half a step"),
+    ("quantize_int8", int8_no_floor, "a vector of zeros"),
+    ("kv_precision", kv_densest, "five other workloads"),
+    ("kv_precision", kv_tokens_not_blocks, "five other workloads"),
+    ("kv_precision", kv_full_precision, "five other workloads"),
     ("block_pool", FreedToTheTail, "freed blocks go back to the head"),
     ("block_pool", FreedToTheHeadReversed, "freed blocks go back to the head"),
     ("block_pool", TouchKeepsFreeBlocksQueued, "touching a free block"),

@@ -458,3 +458,25 @@ def test_the_budget_bar_shows_one_token_and_wears_no_requests_colour():
     legend_text = [t.get_fontsize() for t in pool.get_legend().get_texts()]
     assert min(legend_text) >= 8  # readable on a projector
     plt.close(fig)
+
+
+def test_a_quantized_pool_shows_its_precision_bytes_per_token_and_blocks(text_ids):
+    """Chapter 08: at a lower precision the explorer says what a token costs and how many
+    blocks the same bytes hold; at "auto" (every other chapter) the title is unchanged."""
+    titles = {}
+    for dtype in ("auto", "int8_per_token_head"):
+        llm = LLM(block_size=4, kv_cache_memory_bytes=4 * 2**20, max_model_len=32,
+                  kv_cache_dtype=dtype)
+        ex = EngineExplorer(llm, max_tokens=2)
+        ex.add_request(text_ids[:6])
+        snap = ex.step()
+        assert snap.kv_cache_dtype == dtype
+        assert snap.kv_bytes_per_token == llm.stats()["kv_bytes_per_token"]
+        fig = draw_snapshot(snap)
+        titles[dtype] = fig.axes[0].get_title()
+        plt.close(fig)
+    assert "bytes/token" not in titles["auto"]
+    stats = llm.stats()
+    assert (f"kv_cache_dtype int8_per_token_head: {stats['kv_bytes_per_token']:,} bytes/token"
+            in titles["int8_per_token_head"])
+    assert f"{stats['num_blocks']} blocks" in titles["int8_per_token_head"]

@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("0[0-7]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("0[0-9]_*.ipynb"))
 MAKEFILE = (ROOT / "Makefile").read_text()
 
 

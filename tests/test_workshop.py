@@ -28,7 +28,7 @@ from kvlab import workshop
 from kvlab.workshop import sized
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("0[0-7]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("0[0-9]_*.ipynb"))
 NEWS_PLUGIN = "@jupyterlab/apputils-extension:notification"
 
 
@@ -67,7 +67,8 @@ def test_size_is_read_at_each_call_and_a_typo_is_refused(monkeypatch):
 # (Chapter 02's parallel_sampling_table is not one: its table is checked output, a row per n,
 # so it runs the same at both sizes, and `make test` checks it at KVLAB_SIZE=small.)
 LONG_SWEEPS = ("continuous_batching_table(", "chunked_prefill_trials(",
-               "cold_warm_ttft(", "no_shared_prefix_cost(", "timing_attack(", "compare_peers(")
+               "cold_warm_ttft(", "no_shared_prefix_cost(", "timing_attack(", "compare_peers(",
+               "kv_dtype_table(", "capacity_by_dtype(", "weights_dtype_table(")
 
 
 def test_every_long_sweep_in_the_notebooks_takes_the_size_setting():

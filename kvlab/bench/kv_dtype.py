@@ -62,6 +62,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def mean_kl(base: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """KL(base || other) in nats, averaged over every scored position of every text: how far
+    `other`'s next-token distributions moved from `base`'s (log-probs, as text_logprobs gives)."""
+    total = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(base, other))
+    return total / sum(len(p) for p in base)
+
+
 def kv_step_time(kv_cache_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, batch: int, context: int, block_size: int,
                  repeats: int = 5, inner: int = 10) -> dict:
@@ -139,7 +146,6 @@ def kv_dtype_table(dtypes=DTYPES, memory_bytes: int = 64 * 2**20, request_len: i
             base = {"outs": outs, "logprobs": logprobs, "loglik": sum(loglik), "io": io}
         divergence = [first_divergence(a, b) for a, b in zip(base["outs"], outs)]
         agree = sum(max_tokens if d is None else d for d in divergence)
-        kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(base["logprobs"], logprobs))
         base_io = base["io"]["write_ms"] + base["io"]["read_ms"]
         rows.append({
             "kv_cache_dtype": stats["kv_cache_dtype"],
@@ -152,7 +158,7 @@ def kv_dtype_table(dtypes=DTYPES, memory_bytes: int = 64 * 2**20, request_len: i
             # Tokens generated before each prompt's first difference from "auto", over all.
             "greedy_agreement": round(agree / (max_tokens * len(outs)), 4),
             "first_divergence": divergence,  # per prompt; None: identical to "auto"
-            "mean_kl": kl / num_scored,  # nats, KL(auto || this) per scored position
+            "mean_kl": mean_kl(base["logprobs"], logprobs),  # nats, KL(auto || this) per position
             "loglik_per_token": sum(loglik) / num_scored,  # nats
             "loglik_delta": (sum(loglik) - base["loglik"]) / num_scored,
             "kv_write_ms": round(io["write_ms"], 3),
@@ -186,3 +192,34 @@ def report(rows: list[dict]) -> str:
                  f"{r['step']['context']}, {r['step']['num_layers']} layers, "
                  f"{r['step']['threads']} threads); io x: against auto")
     return "\n".join(lines)
+
+
+def capacity_by_dtype(dtypes=DTYPES, memory_bytes: int = 8 * 2**20, concurrency: int = 16,
+                      input_len: int = 64, output_len: int = 32, block_size: int = 16,
+                      repeats: int = 1, model: str | None = None,
+                      progress: bool = False) -> list[dict]:
+    """Chapter 03's KV-capacity experiment at one budget in bytes, per precision: a burst of
+    `concurrency` requests of input_len + output_len tokens (EOS ignored) through a pool of
+    `memory_bytes`. A denser precision holds more of the burst at once: fewer preemptions,
+    each of which recomputes its victim's whole prefix. One engine per precision, run one after
+    another in this process (a warm-up burst first, not counted)."""
+    from tqdm.auto import tqdm
+
+    from kvlab.bench.scheduling import measure_bursts
+    from kvlab.engine import LLM
+
+    rows = []
+    per_request = cdiv(input_len + output_len, block_size)
+    for name in tqdm(dtypes, desc="capacity by dtype", disable=not progress):
+        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory_bytes=memory_bytes,
+                  block_size=block_size, max_model_len=input_len + output_len + block_size)
+        stats = llm.stats()
+        rows.append({"kv_cache_dtype": stats["kv_cache_dtype"],
+                     "bytes_per_token": stats["kv_bytes_per_token"],
+                     "num_blocks": stats["num_blocks"],
+                     "memory_bytes": memory_bytes,
+                     "fit_at_once": stats["num_blocks"] // per_request,
+                     "concurrency": concurrency,
+                     **measure_bursts(llm, concurrency, input_len, output_len, repeats)})
+        del llm
+    return rows

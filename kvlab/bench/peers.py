@@ -123,7 +123,10 @@ def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5,
     torch.mm(a, b)
     t = min(_timed(lambda: torch.mm(a, b), device) for _ in range(repeats))
     peak = 2 * size**3 / t
-    if use_onednn_for(device, dtype):
+    # oneDNN's packed linear: the kernel the model's fp32 matmuls run on, and on a CPU the
+    # fastest bfloat16 one measured too where oneDNN takes it.
+    if use_onednn_for(device, dtype) or (device.type == "cpu" and dtype == torch.bfloat16
+                                         and torch.backends.mkldnn.is_available()):
         linear = packed_linear(b, None)
         linear(a)
         peak = max(peak, 2 * size**3 / min(_timed(lambda: linear(a), device)
@@ -148,13 +151,14 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def decode_ceiling(batch: int, context: int, rates: dict, model: str | None = None) -> dict:
+def decode_ceiling(batch: int, context: int, rates: dict, model: str | None = None,
+                   dtype: torch.dtype | None = None) -> dict:
     """The fastest a decode step could be at `batch` sequences of `context` tokens: the larger
-    of its arithmetic at the matmul rate and its bytes (weights once, plus every sequence's KV)
-    at the memory bandwidth."""
+    of its arithmetic at the matmul rate and its bytes (weights once, plus every sequence's KV,
+    both in `dtype`, default the loaded model's) at the memory bandwidth."""
     loaded = load_model(model)
     cfg = loaded.config
-    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype or loaded.dtype).element_size()
     params = sum(p.numel() for p in loaded.hf_model.parameters())
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     attn_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * context

@@ -24,6 +24,7 @@ Exercises, by chapter:
     05 block_hashes        the block hash chain, salt in block 0
     05 longest_cache_hit   whole blocks, stop at the first miss, never the last token
     06 timing_attack       read a cache hit off the clock
+    08 quantize_int8       int8 K/V with a scale per (token, head)
 
 Challenges (kind "challenge": a decision, measured on the real model against the best one):
     01 kv_pool_size        the smallest KV pool for a burst, contiguous and paged
@@ -32,6 +33,7 @@ Challenges (kind "challenge": a decision, measured on the real model against the
     04 chunk_budget        the token budget that keeps a decode's worst gap under a target
     05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
     06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
+    08 kv_precision        a kv_cache_dtype and a pool in bytes for a burst, within a KL bound
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from kvlab.exercises import (
     ch04_chunked_prefill,
     ch05_prefix_caching,
     ch06_cache_salt,
+    ch08_kv_precision,
 )
 from kvlab.exercises._common import Case, Exercise, IdPool, Mismatch, RequestView
 from kvlab.exercises._compare import Comparison
@@ -60,7 +63,8 @@ EXERCISES: dict[str, Exercise] = {
                   ch03_scheduling.EXERCISES, challenges.EXERCISES_03,
                   ch04_chunked_prefill.EXERCISES, challenges.EXERCISES_04,
                   ch05_prefix_caching.EXERCISES,
-                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES, challenges.EXERCISES_06)
+                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES, challenges.EXERCISES_06,
+                  ch08_kv_precision.EXERCISES)
     for ex in group
 }
 

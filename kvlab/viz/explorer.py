@@ -159,8 +159,12 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     # Counts of the states on screen only (held and free always), like the legend below.
     counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE)
                        if s in (HELD, FREE) or snap.count(s))
+    # The precision only where it is not the model's own (chapter 08): bytes a token, blocks.
+    precision = ("" if snap.kv_cache_dtype == "auto" else
+                 f", kv_cache_dtype {snap.kv_cache_dtype}: {snap.kv_bytes_per_token:,} bytes/token"
+                 f" x {snap.block_size} a block, {len(snap.blocks)} blocks")
     ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
-                      f"{snap.block_size}): {counts}", fontsize=9)
+                      f"{snap.block_size}{precision}): {counts}", fontsize=9)
     # Large enough for a projector: at most three entries a row.
     ax_pool.legend(states, labels, fontsize=8.5, loc="lower center", bbox_to_anchor=(0.5, 0.0),
                    ncol=min(len(states), 3), frameon=False, handlelength=1.6,
