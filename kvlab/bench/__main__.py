@@ -116,6 +116,14 @@ def main(argv=None) -> None:
                    help="torch threads for the whole run (default: torch's own)")
     p.add_argument("--model", default=None)
     p.add_argument("--json", help="also write the rows to this file")
+    p = sub.add_parser("weights-dtype", help="bfloat16 weights against float32: decode steps "
+                                             "against each dtype's ceiling, tokens against "
+                                             "transformers in the same dtype")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", help="also write the results to this file")
     p = sub.add_parser("client", help="stream requests to any OpenAI-compatible endpoint")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None,
@@ -228,6 +236,12 @@ def main(argv=None) -> None:
                               args.num_prompts, args.prompt_len, args.max_tokens,
                               batch=args.batch, context=args.context, repeats=args.repeats,
                               model=args.model)
+        print(report(rows), flush=True)
+    elif args.command == "weights-dtype":
+        from kvlab.bench.weights_dtype import report, weights_dtype_table
+
+        rows = weights_dtype_table(batches=tuple(args.batches), context=args.context,
+                                   steps=args.steps, model=args.model)
         print(report(rows), flush=True)
     elif args.command == "compiled-flex":
         from kvlab.bench.compiled_flex import compiled_flex_report

@@ -186,7 +186,8 @@ def report(rows: list[dict]) -> str:
             f"{r['kv_write_ms']:>8.3f} {r['kv_read_ms']:>8.3f} {r['kv_io_vs_auto']:>5.2f}")
     r = rows[0]
     lines.append(f"pool {r['kv_cache_memory_bytes']} bytes; fit: requests of {r['request_len']} "
-                 f"tokens at once; agree: greedy tokens before the first difference from auto; "
+                 f"tokens at once; agree: the share of the greedy tokens produced before each prompt's "
+                 f"first difference from auto; "
                  f"1st diff: earliest such position; KL and loglik in nats per text token; "
                  f"write/read: one decode step's K/V (batch {r['step']['batch']}, context "
                  f"{r['step']['context']}, {r['step']['num_layers']} layers, "

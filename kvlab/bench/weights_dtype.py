@@ -82,11 +82,11 @@ def weights_dtype_table(dtypes=DTYPES, batches=BATCHES, context: int = 64, steps
 
 def report(result: dict) -> str:
     lines = [f"{'dtype':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'ceiling ms':>10} "
-             f"{'bound':>7} {'of ceiling':>10}"]
+             f"{'bound':>7} {'% of ceiling':>12}"]
     for r in result["rows"]:
         lines.append(f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.1f} {r['tok_s']:>7.1f} "
                      f"{r['ceiling_ms']:>10.2f} {r['bound']:>7} "
-                     f"{r['fraction_of_ceiling']:>10.0%}")
+                     f"{r['fraction_of_ceiling']:>12.0%}")
     for a in result["agreement"]:
         same = lambda d: "identical" if d is None else f"differs at token {d}"  # noqa: E731
         lines.append(f"{a['dtype']}: vs transformers in {a['dtype']}: "

@@ -295,7 +295,8 @@ def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
 CHALLENGE_STUB = '''def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
                     bytes_per_token):
     """Return {"kv_cache_dtype": ..., "kv_cache_memory_bytes": ...} for a burst of num_requests
-    requests of request_len tokens each (prompt and output), blocks of block_size tokens.
+    requests of request_len tokens each (prompt and output), blocks of block_size tokens, all
+    running at once.
     kl_by_dtype: each kv_cache_dtype's mean KL from the full-precision cache (nats), as this
     chapter measured it; bytes_per_token: each one's bytes per token. The burst must run with
     nothing preempted, the chosen precision's KL must stay within max_kl, and the check counts
@@ -423,7 +424,9 @@ CHALLENGE = Exercise(
     prompt=(
         "Choose kv_cache_dtype and kv_cache_memory_bytes for a burst that must run at once "
         "within an accuracy bound, in as few bytes as you can. Your function gets the KL and "
-        "the bytes per token of every precision, as this chapter measured them. The check "
+        "the bytes per token of every precision, measured as this chapter measures them (the "
+        "check measures the KLs again, on three of the texts); within the bound means at most "
+        "max_kl. The check "
         "measures your choice on the real model: the KL, the preemptions, and your bytes "
         "against the fewest that do both."
     ),

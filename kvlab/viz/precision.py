@@ -17,7 +17,7 @@ def plot_head_scales(absmax, layer: int):
     ax.set_xlabel("token position")
     ax.set_ylabel("largest |value| in the vector")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"K in layer {layer}: each (token, head) vector's largest value")
+    ax.set_title(f"K in layer {layer}: each (token, head) vector's largest |value|")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -70,7 +70,7 @@ def plot_capacity_by_dtype(rows: list[dict]):
     bars = ax.bar(range(len(rows)), tok_s, color=[_colour(i) for i in range(len(rows))])
     for bar, r in zip(bars, rows):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(),
-                f"{r['preemptions']:g} preempted\n{r['fit_at_once']} fit", ha="center",
+                f"{r['preemptions']:g} preempted\nroom for {r['fit_at_once']}", ha="center",
                 va="bottom", fontsize=8)
     ax.set_xticks(range(len(rows)), names, rotation=15, fontsize=8)
     ax.set_ylim(0, max(tok_s) * 1.3)
