@@ -154,3 +154,23 @@ def test_vllm_v1_child_requests_share_full_blocks_through_the_prefix_cache():
     assert fork["peak_blocks"] <= v1["peak_blocks"] < unshared["peak_blocks"]
     with pytest.raises(ValueError, match="parallel_sampling"):
         LLM(parallel_sampling="fan_out")
+
+
+def test_mean_shape_savings_average_the_blocks_held_over_the_run():
+    """Chapter 02's like-for-like rows: the saving is over the blocks held on average, which for
+    one fork group is countable by hand, and sharing never changes a sample."""
+    from kvlab.bench.cow import mean_shape_savings
+
+    rows = mean_shape_savings({"tiny": (17, 15)}, ns=(2, 3), block_size=16)
+    assert [r["n"] for r in rows] == [2, 3]
+    for r in rows:
+        n = r["n"]
+        assert r["identical_outputs"] and r["leaked_blocks"] == 0
+        # 17 prompt tokens: one full block and one partial. Fork holds both once after the
+        # prefill, then the shared full block plus each sample's own copy of the partial one
+        # (13 more steps hold blocks; the 15th frees them). Unshared, every sample holds two.
+        assert r["mean_blocks_shared"] == round((2 + 13 * (1 + n)) / 14, 1)
+        assert r["mean_blocks_unshared"] == 2 * n
+        assert r["mean_saved"] == round(1 - (2 + 13 * (1 + n)) / (14 * 2 * n), 3)
+        assert r["peak_saved"] == round(1 - (1 + n) / (2 * n), 3)
+    assert rows[1]["mean_saved"] > rows[0]["mean_saved"]
