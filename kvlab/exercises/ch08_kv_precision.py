@@ -426,7 +426,11 @@ CHALLENGE = Exercise(
         "within an accuracy bound, in as few bytes as you can. Your function gets the KL and "
         "the bytes per token of every precision, measured as this chapter measures them (the "
         "check measures the KLs again, on three of the texts); within the bound means at most "
-        "max_kl. The check "
+        "max_kl. Two more facts: the pool is counted in whole blocks (`kv_cache_memory_bytes` "
+        "is rounded down to whole blocks of the chosen precision), and a request of p prompt "
+        "tokens that generates N holds K/V for p + N - 1 tokens (chapter 00); the KLs the check "
+        "measures again may differ a little from yours, so a precision right at the bound can "
+        "land either side of it. The check "
         "measures your choice on the real model: the KL, the preemptions, and your bytes "
         "against the fewest that do both."
     ),
