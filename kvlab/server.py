@@ -34,7 +34,9 @@ detokenizer never splits a character and holds back a possible stop string) and 
 one for `FINAL_ONLY` (one output, when it is done), exactly as vLLM's serving layer does.
 
 One worker thread steps the engine while requests are unfinished; each HTTP request waits on an
-asyncio queue for its outputs. The worker never dies of a failed step: the requests that failed
+asyncio queue for its outputs. Handlers never wait for the engine themselves: an add, an abort or
+a cache reset is handed to the worker, which runs it between two steps, so a request that
+arrives while others decode joins them at the next step (continuous batching through the API). The worker never dies of a failed step: the requests that failed
 get an HTTP 500 (or, once streaming, an SSE `data: {"error": ...}` event then `data: [DONE]`),
 the engine has already returned their blocks, and the others go on. `/health` is 200 while the
 worker runs and 503, with the reason, when it does not. A client that disconnects has its
@@ -53,11 +55,13 @@ is then refused (400), not ignored: a silently different meaning is worse than a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import difflib
 import itertools
 from itertools import islice
 import json
 import logging
+import queue as thread_queue
 import threading
 import time
 import weakref
@@ -163,10 +167,14 @@ def bad_request(message: str, param: str | None = None) -> RequestFailed:
 class AsyncEngine:
     """An LLMEngine driven by one worker thread, fed from asyncio handlers.
 
-    `self.lock` guards the engine: the worker holds it for a step, handlers for an add or an
-    abort. A request's queue enters `self.queues` in the same locked section as the request enters
-    the engine (so the worker never sees one without the other) and leaves it when its handler
-    releases it (one dict operation, atomic, so that needs no lock).
+    Only the worker touches the engine. A handler hands it a command (`submit`: add a request,
+    abort one, reset the cache), which the worker runs before its next step. Handlers used to take
+    the engine's lock themselves, and waited: the worker takes it again the moment a step ends
+    (a lock is not a queue), so a request sent during a decode entered only when every running
+    request had finished. `self.lock` is still held for each step and each batch of commands,
+    for a test or a reader that needs the engine still. A request's queue enters `self.queues`
+    in the same command as the request enters the engine (so the worker never sees one without
+    the other) and leaves it when its handler releases it (one dict operation, atomic).
     """
 
     def __init__(self, llm: LLM) -> None:
@@ -174,6 +182,11 @@ class AsyncEngine:
         self.engine = llm.llm_engine
         self.lock = threading.Lock()
         self.queues: dict[str, asyncio.Queue] = {}
+        # Commands for the worker, each with the future its caller waits on. `commands_lock`
+        # orders a submit against the worker's death: a command is either queued before the
+        # worker fails what is left, or refused.
+        self.commands: thread_queue.SimpleQueue = thread_queue.SimpleQueue()
+        self.commands_lock = threading.Lock()
         self.wakeup = threading.Event()
         self.stopped = False
         # Why the worker is not running (None while it runs): /health reports it, and once it is
@@ -215,13 +228,37 @@ class AsyncEngine:
             reason = f"the engine loop died: {e!r}"
             logger.critical("kvlab engine loop died", exc_info=True)
         finally:
-            with self.lock:
+            with self.lock, self.commands_lock:
                 self.dead_reason = reason
                 self._fail(list(self.queues), reason, abort=True)
+                while True:
+                    try:
+                        _fn, fut = self.commands.get_nowait()
+                    except thread_queue.Empty:
+                        break
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(RequestFailed(f"the engine is not running: {reason}"))
+
+    def _run_commands(self) -> bool:
+        """Run the queued commands (the lock held). Returns whether there were any."""
+        ran = False
+        while True:
+            try:
+                fn, fut = self.commands.get_nowait()
+            except thread_queue.Empty:
+                return ran
+            ran = True
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # bad input, say: it is the caller's to raise
+                fut.set_exception(e)
 
     def _step(self) -> bool:
         """One engine step, and its outputs delivered. Returns whether there was work."""
         with self.lock:
+            ran = self._run_commands()
             try:
                 busy = self.engine.has_unfinished_requests()
                 outputs = self.engine.step() if busy else []
@@ -254,7 +291,7 @@ class AsyncEngine:
             collector = self.engine.kv_cache_manager.block_pool.metrics_collector
             if collector is not None and self.metrics is not None:
                 self.metrics.observe_evictions(collector.drain())
-        return busy
+        return busy or ran
 
     def _fail(self, request_ids: list[str], message: str, abort: bool = False) -> None:
         """Hand a RequestFailed (500) to each request's handler; with `abort`, end the request in
@@ -276,6 +313,17 @@ class AsyncEngine:
             pass
 
     # ---- the handlers' side ---------------------------------------------------------------------
+    def submit(self, fn) -> concurrent.futures.Future:
+        """Have the worker run `fn()` before its next step; the future holds its result or
+        exception. Raises RequestFailed when the worker is not running."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.commands_lock:
+            if self.dead_reason is not None:
+                raise RequestFailed(f"the engine is not running: {self.dead_reason}")
+            self.commands.put((fn, fut))
+        self.wakeup.set()
+        return fut
+
     async def add_request(self, prompt, params: SamplingParams) -> str:
         """Queue one request; returns its id. Raises ValueError/TypeError on bad input and
         RequestFailed when the engine loop is not running. The caller must `release` the id."""
@@ -283,25 +331,21 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
 
         def add():
-            with self.lock:
-                if self.dead_reason is not None:
-                    raise RequestFailed(f"the engine is not running: {self.dead_reason}")
-                self.engine.add_request(rid, prompt, params)
-                self.queues[rid] = queue
+            self.engine.add_request(rid, prompt, params)
+            self.queues[rid] = queue
 
         def undo(fut) -> None:
             if not fut.cancelled():
                 fut.exception()  # retrieved, so asyncio does not log it as forgotten
             self.release(rid)
 
-        added = self.loop.run_in_executor(None, add)
+        added = asyncio.wrap_future(self.submit(add))
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:
-            # The client left while the add was running in its thread: once it is done, undo it.
+            # The client left before the worker ran the add: once it has, undo it.
             added.add_done_callback(undo)
             raise
-        self.wakeup.set()
         return rid
 
     async def outputs(self, rid: str):
@@ -321,12 +365,17 @@ class AsyncEngine:
         """Forget the request; abort it if it is still running (the client went away)."""
         self.queues.pop(rid, None)
         self.seen.discard(rid)
-        # Fast path without the lock (which may be held for a whole step): a request no longer
-        # in `parents` has finished or failed, and nothing can bring it back.
+        # Fast path: a request no longer in `parents` has finished or failed, and nothing can
+        # bring it back. Otherwise the worker aborts it before its next step (returning its
+        # blocks); a worker that is not running has already aborted every request it held.
         if rid in self.engine.parents:
-            with self.lock:
+            def abort() -> None:
                 if rid in self.engine.parents:
                     self.engine.abort_request(rid)
+            try:
+                self.submit(abort)
+            except RequestFailed:
+                pass
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -820,11 +869,8 @@ def build_app(llm: LLM, model_name: str | None = None,
         reset_running = request.query.get("reset_running_requests", "false").lower() in (
             "true", "1")
 
-        def reset() -> bool:
-            with engine.lock:
-                return engine.engine.reset_prefix_cache(reset_running)
-
-        ok = await asyncio.get_running_loop().run_in_executor(None, reset)
+        ok = await asyncio.wrap_future(
+            engine.submit(lambda: engine.engine.reset_prefix_cache(reset_running)))
         logger.info("reset_prefix_cache: %s", "done" if ok else "refused, blocks are in use")
         return web.json_response({"success": bool(ok)})
 

@@ -240,6 +240,41 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert s["num_free_blocks"] == s["num_blocks"]
 
 
+def test_request_sent_during_a_decode_joins_it(server):
+    """Continuous batching through the API: a request sent while another decodes is admitted at
+    the next step, so it finishes long before the decode does. (When handlers took the engine's
+    lock themselves, the worker took it again after every step and the new request waited for
+    the decode to end.)"""
+    base, llm = server
+
+    async def go():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(base + "/v1/completions", json={
+                "prompt": "Tell me a long story.", "max_tokens": 120, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as resp:
+                chunks, joined, short_done_at = 0, None, None
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        chunks += 1
+                    if chunks == 4 and joined is None:
+                        joined = asyncio.create_task(session.post(base + "/v1/completions", json={
+                            "prompt": "Hi", "max_tokens": 2, "temperature": 0,
+                            "ignore_eos": True}))
+                    if short_done_at is None and joined is not None and joined.done():
+                        short_done_at = chunks  # decode tokens streamed when it was answered
+                short = await joined
+                assert short.status == 200
+                return chunks, short_done_at
+
+    decode_chunks, short_done_at = asyncio.run(go())
+    assert decode_chunks >= 100
+    # The short request was answered while the decode still had most of its tokens to go.
+    assert short_done_at is not None and short_done_at < 40, (short_done_at, decode_chunks)
+    wait_idle(llm)
+
+
 def test_benchmark_client_against_kvlab_serve(server):
     base, llm = server
     prompts = [f"Request {i}: count from one to ten." for i in range(6)]
