@@ -168,7 +168,9 @@ class AsyncEngine:
     """An LLMEngine driven by one worker thread, fed from asyncio handlers.
 
     Only the worker touches the engine. A handler hands it a command (`submit`: add a request,
-    abort one, reset the cache), which the worker runs before its next step. Handlers used to take
+    abort one, reset the cache), which the worker runs before its next step, as vLLM's engine
+    core drains its input queue before each step (`EngineCoreProc.run_busy_loop`,
+    vllm/v1/engine/core.py). Handlers used to take
     the engine's lock themselves, and waited: the worker takes it again the moment a step ends
     (a lock is not a queue), so a request sent during a decode entered only when every running
     request had finished. `self.lock` is still held for each step and each batch of commands,

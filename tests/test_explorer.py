@@ -247,14 +247,16 @@ def test_the_legend_names_only_the_states_on_screen():
     once a block is in it (free and held always)."""
     snap = handmade_snapshot()
     everything = _legend_labels(draw_snapshot(snap))
-    assert len(everything) == 6 and "dot: has a prefix-cache key" in everything
+    assert len(everything) == 7 and "dot: has a prefix-cache key" in everything
+    assert everything[-1] == "0, 16, ...: the row's first block id"  # the numbers left of the grid
     plain = replace(snap, blocks=[replace(b, ref_cnt=b.ref_cnt and 1, owners=b.owners[:1],
                                           key=None, just_copied=False)
                                   for b in snap.blocks])
     assert {b.state for b in plain.blocks} <= {HELD, FREE}
     fig = draw_snapshot(plain)
     assert "shared" not in fig.axes[0].get_title() and "cached" not in fig.axes[0].get_title()
-    assert _legend_labels(fig) == ["free", "held by a request (solid: K/V written)"]
+    assert _legend_labels(fig) == ["free", "held by a request (solid: K/V written)",
+                                   "0, 16, ...: the row's first block id"]
 
 
 def test_the_picture_is_drawn_from_the_snapshot_alone():

@@ -96,7 +96,7 @@ def test_peers_figure_labels_every_bar():
     left, right = fig.axes
     assert [t.get_text() for t in left.get_yticklabels()] == list(peers["rows"])
     assert [round(b.get_height()) for b in right.patches] == [700, 2000, 420]
-    assert "60% of the limit" in right.get_title()
+    assert "60% of the lower limit" in right.get_title()
     plt.close(fig)
 
 
@@ -268,3 +268,54 @@ def test_roofline_draws_one_ceiling_where_torch_mm_was_the_fastest_matmul():
         if lines == 1:
             assert "fastest matmul here" in ceilings[0].get_label()
         plt.close(fig)
+
+
+def test_figures_say_what_their_marks_mean():
+    """Each mark a cold reader asked about is explained on the figure itself: a series measured
+    at fewer levels is dashed and names them, the whiskers are in the legend, the simulation
+    marks where each layout finished and where its queue emptied, the free queue's colours have
+    a legend, KL ticks are plain decimals, block ids stay readable on a dark block."""
+    from kvlab.viz.explorer import _ink_on
+
+    rows = [{"server": "max_num_seqs=1", "concurrency": c, "tok_s": 20.0, "tok_s_spread": [20, 20],
+             "ttft_median_ms": 100.0 * c} for c in (1, 16)]
+    rows += [{"server": "default", "concurrency": c, "tok_s": 10.0 * c,
+              "tok_s_spread": [9.0 * c, 11.0 * c], "ttft_median_ms": 5.0 * c} for c in (1, 4, 16)]
+    fig = viz.plot_concurrency(rows)
+    left = fig.axes[0]
+    labels = [t.get_text() for t in left.get_legend().get_texts()]
+    assert labels[0] == "max_num_seqs=1 (measured at 1, 16 only)", labels
+    assert "whiskers" in labels[1] and "measured at" not in labels[1], labels
+    assert left.lines[0].get_linestyle() == "--"
+    plt.close(fig)
+
+    lengths = sim.request_lengths(100, 10, 512, seed=0)
+    c, p = (sim.simulate(lengths, layout) for layout in ("contiguous", "paged"))
+    fig = viz.plot_sim(c, p)
+    for ax in fig.axes:
+        texts = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert any(f"none waits after step {p.steps[-1]:,}" in t for t in texts), texts
+        assert sum("all done" in t.get_text() for t in ax.texts) == 2
+        assert ax.get_xlim()[1] >= max(c.num_steps, p.num_steps)
+    plt.close(fig)
+
+    snaps = [{"label": "a finished", "queue": [4, 5, 3], "in_use": [0],
+              "keys": {3: "a3", 0: "b0"}}]
+    ax = viz.draw_free_queue(snaps)
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert texts == ["free, still holds a block of prefix a", "free, still holds a block of prefix b",
+                     "free, no prefix key", "in use by a request"]
+    plt.close(ax.figure)
+
+    from kvlab.viz import precision
+    kl_rows = [{"kv_cache_dtype": d, "requests_fit": n, "request_len": 512,
+                "kv_cache_memory_bytes": 2**26, "bytes_per_token": b, "mean_kl": kl}
+               for d, n, b, kl in (("auto", 2, 46080, 0.0), ("bfloat16", 5, 23040, 2.9e-5),
+                                   ("int4", 20, 6480, 5.2e-2))]
+    fig = precision.plot_precision_tradeoff(kl_rows)
+    kl_ticks = _log_tick_labels(fig)
+    assert "0.0001" in kl_ticks and not any("e" in t for t in kl_ticks), kl_ticks
+    plt.close(fig)
+
+    assert _ink_on((0.12, 0.47, 0.71)) == "white"  # tab:blue, solid: a held block's fill
+    assert _ink_on((1.0, 1.0, 1.0)) != "white"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 
@@ -22,6 +23,13 @@ def _colour(i: int):
     return plt.get_cmap("tab20")((2 * i + (i // 10) % 2) % 20)
 
 
+def plain_number(v: float) -> str:
+    """20, 1,000, 0.5, 0.00005: digits as written by hand, never 5e-05."""
+    if v >= 1:
+        return f"{v:,.0f}"
+    return np.format_float_positional(float(f"{v:.3g}"), trim="-")
+
+
 def log_axis(axis, base: int = 10, ticks=None) -> None:
     """Put `axis` (ax.xaxis or ax.yaxis) on a log scale labelled in plain numbers: at `ticks`
     when given, else at 1, 2, 5, 10, 20, ... (base 10) or 1, 2, 4, 8, ... (base 2); never
@@ -29,11 +37,11 @@ def log_axis(axis, base: int = 10, ticks=None) -> None:
     ax = axis.axes
     (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log", base=base)
     if ticks is not None:
-        axis.set_ticks(ticks, [str(t) for t in ticks])
+        axis.set_ticks(ticks, [plain_number(t) for t in ticks])
     elif base == 10:
         axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     if ticks is None:
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: plain_number(v)))
     axis.set_minor_formatter(NullFormatter())
 
 

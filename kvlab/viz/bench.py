@@ -20,7 +20,8 @@ def plot_peers(peers: dict, ceiling: dict):
     ax1.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
     ax1.invert_yaxis()
     ax1.set_xlabel("useful output tokens/s")
-    ax1.set_title(f"{peers['useful_tokens']} tokens, same prompts and weights", fontsize=9)
+    ax1.set_title(f"each makes the same {peers['useful_tokens']} tokens (same prompts, same "
+                  "weights)", fontsize=9)
     c = ceiling["ceiling"]
     labels = ["arithmetic\nlimit", "memory\nlimit", "kvlab"]
     values = [c["compute_bound_tok_s"], c["memory_bound_tok_s"], ceiling["kvlab_decode_tok_s"]]
@@ -28,8 +29,8 @@ def plot_peers(peers: dict, ceiling: dict):
     ax2.bar_label(bars, fmt="%.0f", fontsize=8)
     ax2.tick_params(axis="x", labelsize=8)
     ax2.set_ylabel("decode tokens/s")
-    ax2.set_title(f"batch {c['batch']}, context {c['context']}: "
-                  f"{ceiling['fraction_of_ceiling']:.0%} of the limit", fontsize=9)
+    ax2.set_title(f"one decode step, batch {c['batch']}, context {c['context']}: kvlab at "
+                  f"{ceiling['fraction_of_ceiling']:.0%} of the lower limit", fontsize=9)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, axis="x" if ax is ax1 else "y")
     fig.tight_layout()

@@ -45,6 +45,13 @@ def _block_colour(snap: EngineSnapshot, owner: str):
     return _colour(snap.colours.get(owner, 0))
 
 
+def _ink_on(fill) -> str:
+    """Text colour readable on `fill` (an RGB(A) tuple): white on a dark colour, dark grey on a
+    light one (relative luminance, ITU-R BT.709 weights)."""
+    r, g, b = fill[:3]
+    return "white" if 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.5 else "0.25"
+
+
 def _text_lines(ax, x: float, lines: list[tuple[str, object]]) -> None:
     """Monospace lines from the top of `ax`, each in its own colour, 9 points apart."""
     for i, (line, colour) in enumerate(lines):
@@ -116,6 +123,9 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
         right.append(("(none)", black))
 
     states, labels = _legend_entries(snap)
+    # The numbers left of the grid: each row's first block id (blocks count left to right).
+    states.append(Line2D([], [], ls="none"))
+    labels.append(f"0, {columns}, ...: the row's first block id")
     strip = 1.0 + 1.1 * -(-len(states) // 3)  # rows of the grid's units below it, for the legend
     heights = [(rows + strip) * (0.42 if small else 0.27), 0.5,
                0.125 * max(len(left), len(right)) + 0.1]
@@ -148,10 +158,15 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
             ax_pool.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
                          color="white" if state == SHARED else "black")
         if small and state != SHARED:
-            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color="0.3")
+            # The id sits in the block's lower left: over the solid part once a third of the
+            # block holds K/V, else over the pale part (the colour at 30% on white: light).
+            under = (_block_colour(snap, b.owners[0])
+                     if state == HELD and 3 * b.num_filled >= snap.block_size else (1, 1, 1))
+            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color=_ink_on(under))
     for r in range(rows):
         ax_pool.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
                      fontsize=6, color="0.3")
+
     ax_pool.set_xlim(-1, columns)
     ax_pool.set_ylim(-strip, rows)  # the strip below the grid holds the legend
     ax_pool.set_aspect("equal")

@@ -140,22 +140,32 @@ def _with_gaps(steps: list[int], values: list[float]) -> tuple[list, list]:
 
 def plot_sim(contiguous: SimResult, paged: SimResult):
     """Requests running at once, and the pool's share holding tokens, on one step axis, drawn
-    only at the steps with requests waiting (where memory, not arrivals, sets the batch)."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    only at the steps with requests waiting (where memory, not arrivals, sets the batch). A
+    dotted line marks the step each layout finished its last request; a series ends where no
+    request waits any more (the legend gives that step)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.4))
     for res, c in ((contiguous, "tab:red"), (paged, "tab:blue")):
         steps = res.steps or list(range(len(res.running_per_step)))
+        last = f"; none waits after step {steps[-1]:,}" if steps else ""
         # A dot per recorded step too: a step alone between gaps draws no line.
         ax1.plot(*_with_gaps(steps, res.running_per_step), ".-", ms=2, lw=1, color=c,
-                 label=f"{res.layout} (mean {res.mean_running:.1f})")
+                 label=f"{res.layout} (mean {res.mean_running:.1f}{last})")
         ax2.plot(*_with_gaps(steps, [u * 100 for u in res.utilisation_per_step]), ".-", ms=2,
-                 lw=1, color=c, label=f"{res.layout} (mean {res.mean_utilisation:.0%})")
-    ax1.set_xlabel("step (drawn while requests wait)")
-    ax1.set_ylabel("requests running")
-    ax2.set_xlabel("step (drawn while requests wait)")
-    ax2.set_ylabel("pool holding real tokens (%)")
-    for ax in (ax1, ax2):
-        ax.legend(fontsize=8)
+                 lw=1, color=c, label=f"{res.layout} (mean {res.mean_utilisation:.0%}{last})")
+        for ax in (ax1, ax2):
+            if res.num_steps:
+                ax.axvline(res.num_steps, color=c, ls=":", lw=1.2)
+                ax.annotate(f"{res.layout}:\nall done", (res.num_steps, 1), xycoords=(
+                    "data", "axes fraction"), xytext=(-3, -3), textcoords="offset points",
+                    ha="right", va="top", fontsize=7, color=c)
+    for ax, ylabel in ((ax1, "requests running"), (ax2, "pool holding real tokens (%)")):
+        ax.set_xlabel("engine step (drawn while requests wait)")
+        ax.set_ylabel(ylabel)
+        ax.set_xlim(0, max(contiguous.num_steps, paged.num_steps, 1) * 1.02)
+        ax.legend(fontsize=7.5, loc="upper right", bbox_to_anchor=(1, 0.86))
         ax.grid(alpha=0.3)
+    ax1.set_ylim(0, max(contiguous.max_running, paged.max_running) * 1.1)
+    ax2.set_ylim(0, 105)
     fig.tight_layout()
     return fig
 

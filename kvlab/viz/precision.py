@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import matplotlib.pyplot as plt
 
 from kvlab.viz.axes import _colour, log_axis
@@ -48,9 +50,11 @@ def plot_precision_tradeoff(rows: list[dict]):
                            textcoords="offset points", xytext=(6, 3), fontsize=8)
     right.set_xlim(0, max(r["bytes_per_token"] for r in rows) * 1.05)
     if lossy:
-        log_axis(right.yaxis)
         lo = min(r["mean_kl"] for r in lossy)
         hi = max(r["mean_kl"] for r in lossy)
+        # One tick a decade: 1-2-5 ticks over five decades crowd the axis.
+        first, last = math.floor(math.log10(lo / 3)), math.ceil(math.log10(hi * 3))
+        log_axis(right.yaxis, ticks=[10.0 ** k for k in range(first, last + 1)])
         right.set_ylim(lo / 3, hi * 3)
     exact = [r["kv_cache_dtype"] for r in rows if r["mean_kl"] == 0]
     right.set_xlabel("bytes per token (K and V, every layer, scales included)")

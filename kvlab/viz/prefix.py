@@ -4,7 +4,7 @@ the timing attack."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
 
 from kvlab.viz.axes import _colour, log_axis
 
@@ -185,4 +185,10 @@ def draw_free_queue(snapshots: list[dict], ax=None):
     ax.axis("off")
     ax.set_title("free queue, step by step (number: block id; name: the prefix block it still "
                  "holds)", fontsize=9)
+    swatches = [Patch(fc=_colour(i), alpha=0.45, ec="0.3") for i in range(len(owners))]
+    labels = [f"free, still holds a block of prefix {o}" for o in owners]
+    swatches += [Patch(fc="white", ec="0.3"), Patch(fc="0.75", ec="0.3")]
+    labels += ["free, no prefix key", "in use by a request"]
+    ax.legend(swatches, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+              ncol=min(len(swatches), 4), fontsize=7.5, frameon=False)
     return ax

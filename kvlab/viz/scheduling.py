@@ -34,15 +34,28 @@ def plot_gantt(traces: dict[str, list], title: str = "requests over steps"):
 
 
 def plot_concurrency(rows: list[dict], key: str = "server"):
-    """Throughput and TTFT median against concurrency, one line per `key` value."""
+    """Throughput and TTFT median against concurrency, one line per `key` value. A series
+    measured at fewer levels than the others is dashed, and its legend names its levels (a line
+    between two of its points is not a measurement at the levels in between). Whiskers: the
+    range of tok/s over repeated runs, where there were several."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    for name in dict.fromkeys(r[key] for r in rows):
+    names = list(dict.fromkeys(r[key] for r in rows))
+    levels = {n: [r["concurrency"] for r in rows if r[key] == n] for n in names}
+    every = set().union(*levels.values())
+    for name in names:
         pts = [r for r in rows if r[key] == name]
-        cs = [r["concurrency"] for r in pts]
-        ax1.errorbar(cs, [r["tok_s"] for r in pts], marker="o", label=name,
-                     yerr=[[r["tok_s"] - r["tok_s_spread"][0] for r in pts],
-                           [r["tok_s_spread"][1] - r["tok_s"] for r in pts]])
-        ax2.plot(cs, [r["ttft_median_ms"] for r in pts], marker="o", label=name)
+        cs = levels[name]
+        sparse = set(cs) < every
+        label = name + (f" (measured at {', '.join(map(str, cs))} only)" if sparse else "")
+        style = {"ls": "--" if sparse else "-", "marker": "o", "label": label}
+        spread = [[r["tok_s"] - r["tok_s_spread"][0] for r in pts],
+                  [r["tok_s_spread"][1] - r["tok_s"] for r in pts]]
+        if any(v > 0 for side in spread for v in side):
+            style["label"] = label + ", whiskers: range of the repeats"
+            ax1.errorbar(cs, [r["tok_s"] for r in pts], yerr=spread, capsize=3, **style)
+        else:
+            ax1.plot(cs, [r["tok_s"] for r in pts], **style)
+        ax2.plot(cs, [r["ttft_median_ms"] for r in pts], **{**style, "label": label})
     # Both rise with concurrency, so the top left is empty: "best" can put the legend over the
     # top point's whisker, which it does not count as data.
     _concurrency_axes(fig, ax1, ax2, legend={"loc": "upper left"})
