@@ -310,9 +310,10 @@ def model_linears(loaded: LoadedModel, fast: bool) -> tuple[list[LayerLinears], 
     """Every layer's matmuls and the head, built once per loaded model and shared by every engine.
 
     fast=False calls the transformers modules as they are (the reference). fast=True fuses
-    q/k/v and gate/up and, on a CPU in fp32, packs the weights for oneDNN. The fused weights are
-    copies (the transformers model stays the untouched reference), so the fast path holds the
-    weights twice.
+    q/k/v and gate/up and, on a CPU in fp32, packs the weights for oneDNN. The packed weights
+    are copies (the transformers model stays the untouched reference); so that the process does
+    not hold the weights twice, the reference's pages are then handed back to the kernel
+    (`page_out`): they come back when something runs transformers' modules.
     """
     def make(modules):
         return fused_linear(modules, use_onednn(loaded)) if fast else reference_linear(modules)
@@ -325,7 +326,46 @@ def model_linears(loaded: LoadedModel, fast: bool) -> tuple[list[LayerLinears], 
                                        o=make([attn.o_proj]),
                                        gate_up=make([mlp.gate_proj, mlp.up_proj]),
                                        down=make([mlp.down_proj])))
-        return layers, make([loaded.hf_model.lm_head])
+        head = make([loaded.hf_model.lm_head])
+    if fast and use_onednn(loaded):  # every matmul now reads its own packed copy
+        page_out(loaded.hf_model.parameters())
+    return layers, head
+
+
+# Linux's madvise(2) advice that reclaims a range's pages now (Linux 5.4 and later). Pages
+# mapped from a file (transformers maps the safetensors file kvlab converted) are dropped and
+# read back from the file on the next access; anonymous pages go to swap, or stay where there is
+# none. Unlike MADV_DONTNEED it never loses data, so it is safe on any tensor.
+MADV_PAGEOUT = 21
+
+
+def page_out(tensors) -> int:
+    """Ask the kernel to reclaim the pages of `tensors` (CPU ones) that nothing needs now;
+    returns the bytes advised. A no-op returning 0 where madvise or MADV_PAGEOUT is missing
+    (macOS, Windows, older Linux). The tensors stay valid: a read brings their pages back."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, advised, seen = mmap.PAGESIZE, 0, set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if t.device.type != "cpu" or storage.data_ptr() in seen:
+            continue  # a tied weight is one storage
+        seen.add(storage.data_ptr())
+        # Whole pages only, inside the storage: a page it shares with another tensor stays.
+        start = -(-storage.data_ptr() // page) * page
+        end = (storage.data_ptr() + storage.nbytes()) // page * page
+        if end > start:
+            if madvise(start, end - start, MADV_PAGEOUT) != 0:
+                return advised  # this kernel does not know the advice: nothing more to try
+            advised += end - start
+    return advised
 
 
 class Transformer:
@@ -337,6 +377,10 @@ class Transformer:
         # reads the metadata its own `build` made for the step.
         self.attn_backend = attn_backend or get_attention_backend("auto" if fast else "reference")
         hf = loaded.hf_model
+        # Kept so that whatever holds this forward pass leads to the model whose tensors it
+        # reads (its layers are that model's children, which do not refer to their parent):
+        # workshop.release finds what to free by following references to the loaded model.
+        self.loaded = loaded
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads

@@ -103,6 +103,7 @@ def release(namespace: dict) -> dict:
         if not name.startswith("_") and _leads_to(value, targets, safe, stop):
             del namespace[name]
             deleted.append(name)
+    value = None  # the loop's last value would otherwise keep what it leads to alive
     forget_loaded_models()
     gc.collect()
     _return_freed_heap()

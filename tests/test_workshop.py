@@ -253,7 +253,9 @@ llm = LLM(max_model_len=64)
 slider = ipywidgets.IntSlider()
 slider.observe(lambda change, engine=llm: None, "value")  # a callback that keeps an engine
 ns = {"engines": {"one": llm}, "loaded": kvlab.load_model(), "n": 3, "tok": llm.get_tokenizer(),
-      "Out": {1: "a displayed value"}, "_": "the last result", "_7": llm}
+      "Out": {1: "a displayed value"}, "_": "the last result", "_7": llm,
+      # kvlab's forward pass alone: it holds the fused copies and the layers, not their parent
+      "model": llm.llm_engine.model}
 # Bound to no name: only its thread holds it. In key mode, with a request served: aiohttp
 # then caches the middleware chain, and with it the application (server.py says why).
 server = BackgroundServer(LLM(max_model_len=64), api_keys={"key-a": "tenant-a"})
@@ -281,11 +283,12 @@ def test_release_frees_the_chapters_engines_and_weights_and_the_kernel_stays_usa
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(out["deleted"]) == ["engines", "loaded"]  # what leads to the weights
+    assert sorted(out["deleted"]) == ["engines", "loaded", "model"]  # what leads to the weights
     assert out["left"] == ["Out", "n", "tok"] and not out["server_alive"]
     assert out["weights_held"] == 0  # nothing kept the transformers model alive
-    # The weights are held twice (transformers' and the fused copy): most of that must leave
-    # the process's resident memory, or the release freed nothing a laptop would notice.
+    # The engines' packed copies of the weights (transformers' own pages went back to the file
+    # when the first engine was built) and pools: more than the weights' size must leave the
+    # process's resident memory, or the release freed nothing a laptop would notice.
     assert out["rss_before_mib"] - out["rss_after_mib"] > out["param_mib"]
     assert out["again"] == 2
 
