@@ -68,7 +68,7 @@ def test_targets_met_not_met_and_not_comparable():
             row("kvlab serve", 8, 150, 400), row("transformers serve", 8, 100, 800),
             row("kvlab serve", 16, 200, 700), row("transformers serve", 16, 120, 1500)]
     t = sp.targets(rows)
-    assert t == {"throughput_ratio": {"8": 1.5, "16": 1.67}, "ttft_ratio": 0.83, "met": True}
+    assert t == {"throughput_ratio": {"8": 1.5, "16": 1.67}, "ttft_ratio": 0.833, "met": True}
     slower_first_token = [dict(r, ttft_median_ms=130) if r["server"] == "kvlab serve"
                           and r["concurrency"] == 1 else r for r in rows]
     assert sp.targets(slower_first_token)["met"] is False

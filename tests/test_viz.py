@@ -182,6 +182,12 @@ def test_api_figure_reads_at_a_glance():
     assert not any(box.contains(x, y) for box in labels for x, y in along)
     legend = salt_ax.get_legend().get_window_extent(renderer)
     assert not any(legend.overlaps(b) for b in _boxes(salt_ax.texts, renderer))
+    # The hatched bar is named, and its legend covers no bar's label either.
+    prefix_ax = fig.axes[1]
+    assert [t.get_text() for t in prefix_ax.get_legend().get_texts()] == [
+        "same prompt after reset_prefix_cache"]
+    legend = prefix_ax.get_legend().get_window_extent(renderer)
+    assert not any(legend.overlaps(b) for b in _boxes(prefix_ax.texts, renderer))
     colours = {b.get_facecolor() for b in salt_ax.patches}
     assert len(colours) == 2  # hits and misses told apart
     plt.close(fig)
@@ -228,7 +234,7 @@ def test_capacity_figure_draws_the_control_beside_the_sweep():
         lo, hi = ax.get_ylim()
         assert value < hi - 0.05 * (hi - lo)  # the marker clear of the frame, not cut by it
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "KV budget 1024 tokens" in labels and "control: KV for every request" in labels
+        assert "KV budget 1,024 tokens" in labels and "control: KV for every request" in labels
     plt.close(fig)
 
 
@@ -267,6 +273,8 @@ def test_roofline_draws_one_ceiling_where_torch_mm_was_the_fastest_matmul():
         assert len(ceilings) == lines and len(ax2.containers) == bar_sets, factor
         if lines == 1:
             assert "fastest matmul here" in ceilings[0].get_label()
+            # One set of bars: named by the axis, no legend repeating it.
+            assert ax2.get_legend() is None and "fastest matmul here" in ax2.get_ylabel()
         plt.close(fig)
 
 

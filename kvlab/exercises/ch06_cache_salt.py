@@ -210,12 +210,14 @@ EXERCISE = Exercise(
         Case("wide, close clusters: at least 90% right",
              _accuracy_case(0.100, 0.015, 0.055, 0.012, need=0.9, n_cal=9, seed=4),
              "Halfway between the two medians is the fair threshold."),
-        Case("salted: every request is cold, so (almost) nothing looks cached",
+        # Case names print before the chapter's prediction on salts: they say what is run,
+        # never what B then finds.
+        Case("trials drawn from the cold cluster only",
              _accuracy_case(0.100, 0.010, 0.030, 0.005, salted=True, seed=5),
              "A cold TTFT is no evidence of a hit: say False."),
         Case("real model, one shared cache: right far above chance", _real_model(False),
              real_model=True),
-        Case("real model, a cache_salt per tenant: B finds nothing cached", _real_model(True),
+        Case("real model, a cache_salt per tenant", _real_model(True),
              real_model=True),
     ],
 )

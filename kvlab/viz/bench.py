@@ -20,7 +20,8 @@ def plot_peers(peers: dict, ceiling: dict):
     ax1.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
     ax1.invert_yaxis()
     ax1.set_xlabel("useful output tokens/s")
-    ax1.set_title(f"each makes the same {peers['useful_tokens']} tokens (same prompts, same "
+    # Two lines each: the titles of the two panels must not run into each other.
+    ax1.set_title(f"each makes the same {peers['useful_tokens']} tokens\n(same prompts, same "
                   "weights)", fontsize=9)
     c = ceiling["ceiling"]
     labels = ["arithmetic\nlimit", "memory\nlimit", "kvlab"]
@@ -29,7 +30,7 @@ def plot_peers(peers: dict, ceiling: dict):
     ax2.bar_label(bars, fmt="%.0f", fontsize=8)
     ax2.tick_params(axis="x", labelsize=8)
     ax2.set_ylabel("decode tokens/s")
-    ax2.set_title(f"one decode step, batch {c['batch']}, context {c['context']}: kvlab at "
+    ax2.set_title(f"one decode step, batch {c['batch']}, context {c['context']}:\nkvlab at "
                   f"{ceiling['fraction_of_ceiling']:.0%} of the lower limit", fontsize=9)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, axis="x" if ax is ax1 else "y")
@@ -108,16 +109,27 @@ def plot_roofline_sweep(results: dict):
         xs = [j + (i - (len(ceilings) - 1) / 2) * width for j in range(len(rows))]
         bars = ax2.bar(xs, [100 * r[f"fraction_{key}"] for r in rows], width,
                        color=_colour(i), label=name)
-        ax2.bar_label(bars, fmt="%.0f%%", fontsize=7)
+        # Each bar names the bound that sets its ceiling (memory or compute), as the sweep prints.
+        ax2.bar_label(bars, [f"{100 * r[f'fraction_{key}']:.0f}%\n{r.get(f'bound_{key}', '')}"
+                             for r in rows], fontsize=7)
     ax2.set_xticks(range(len(rows)), [str(b) for b in batches])
     ax2.set_xlabel(f"running requests (context {ctx})")
-    ax2.set_ylabel("share of the ceiling (%)")
     # Headroom above the tallest bar's label, so the legend (top) covers no label.
-    ax2.set_ylim(0, 1.35 * max(100 * r["fraction_mm"] for r in rows))
-    ax2.legend(fontsize=7, loc="upper center", ncol=2)
+    ax2.set_ylim(0, 1.45 * max(100 * r["fraction_mm"] for r in rows))
+    if len(ceilings) == 1:  # one series: its name is the axis's, a legend would repeat it
+        ax2.set_ylabel(f"share of the ceiling (%)\n{ceilings[0][3].removeprefix('of the ceiling ')}")
+    else:
+        ax2.set_ylabel("share of the ceiling (%)")
+        ax2.legend(fontsize=7, loc="upper center", ncol=2)
     ax2.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return fig
+
+
+def _short_salt(salt) -> str:
+    """'tenant-a' -> 'a': the salt table's salts fit under narrow bars; others stay as they are."""
+    salt = str(salt)
+    return salt.removeprefix("tenant-")
 
 
 def plot_api_run(results: dict):
@@ -144,8 +156,9 @@ def plot_api_run(results: dict):
             ttfts = [r["ttft_median_ms"] for r in rows]
             twin.plot(levels, ttfts, "o-", color="black")
             for x, y in zip(levels, ttfts):
-                twin.annotate(f"{y:,.0f} ms", (x, y), xytext=(6, -3), textcoords="offset points",
-                              fontsize=8, color="black", va="top")
+                # Above the point: the line leaves each point to the right, below would touch it.
+                twin.annotate(f"{y:,.0f} ms", (x, y), xytext=(0, 7), textcoords="offset points",
+                              fontsize=8, color="black", va="bottom", ha="center")
             twin.set_ylabel("TTFT median (ms)", color="black")
             twin.set_ylim(0, 1.2 * max(ttfts))  # no point on the frame
             ax.set_ylim(0, top)
@@ -165,14 +178,21 @@ def plot_api_run(results: dict):
             ax.set_ylabel("TTFT (ms)")
             ax.set_title(f"shared prefix, {r['prompt_tokens']}-token prompts", fontsize=9)
             ax.margins(y=0.12)  # the tallest bar's label inside the frame
+            if any(label == "after reset" for label, _ in keys):
+                ax.legend(handles=[Patch(fc=_colour(0), hatch="//",
+                                         label="same prompt after reset_prefix_cache")],
+                          fontsize=7, loc="upper center")
+                ax.set_ylim(0, 1.3 * max(r[k] for _, k in keys))
         else:
             table = [r for r in rows if r.get("experiment") == "salt table" and "order" in r]
             # One label per request on two lines (its place, its salt): side by side they overlap.
-            bars = ax.bar([f"{r['order']}\n{r['cache_salt']}" for r in table],
+            # Short labels: the salts' names side by side ran into each other.
+            bars = ax.bar([f"{r['order']}\n{_short_salt(r['cache_salt'])}" for r in table],
                           [r["ttft_ms"] for r in table],
                           color=[_colour(1) if r["cached_tokens"] else _colour(0) for r in table])
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
             ax.set_ylabel("TTFT (ms)")
+            ax.set_xlabel("request order, cache_salt", fontsize=8)
             ax.set_title("one document, in order, by cache_salt", fontsize=9)
             ax.legend(handles=[Patch(color=_colour(1), label="found cached blocks"),
                                Patch(color=_colour(0), label="none cached")],

@@ -16,10 +16,10 @@ from kvlab.viz.memory import format_block_tables
 
 
 SHARED_COLOUR = "#37474f"  # a shared block belongs to several requests: no one request's colour
-# The budget bar's: black, and white hatched black, so that no request's colour (tab20) is
-# read as decode or prefill.
+# The budget bar's: black, and white hatched black, so that no request's colour (axes._colour)
+# is read as decode or prefill.
 DECODE_COLOUR, PREFILL_COLOUR = "black", "white"
-COPY_EDGE = "magenta"  # a copied block's edge: no request colour (tab20) is magenta
+COPY_EDGE = "magenta"  # a copied block's edge: no request colour (axes._colour) is magenta
 MAX_EVENTS_DRAWN = 12
 
 
@@ -53,10 +53,11 @@ def _ink_on(fill) -> str:
 
 
 def _text_lines(ax, x: float, lines: list[tuple[str, object]]) -> None:
-    """Monospace lines from the top of `ax`, each in its own colour, 9 points apart."""
+    """Monospace lines from the top of `ax`, each in its own colour, 11 points apart (8-point
+    type: read from the back of a room)."""
     for i, (line, colour) in enumerate(lines):
-        ax.text(x, 1, line, va="top", family="monospace", fontsize=6.5, color=colour,
-                transform=offset_copy(ax.transAxes, fig=ax.figure, y=-9 * i, units="points"))
+        ax.text(x, 1, line, va="top", family="monospace", fontsize=8, color=colour,
+                transform=offset_copy(ax.transAxes, fig=ax.figure, y=-11 * i, units="points"))
 
 
 def _legend_entries(snap: EngineSnapshot) -> tuple[list, list[str]]:
@@ -102,10 +103,10 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     rows = -(-n // columns)
 
     black = "black"
-    left = [("a [k/n tokens in KV, i/m out]: K/V written for k of request a's n tokens; "
-             "i of its m new tokens made", "0.35")]
+    left = [("a [k/n tokens in KV, i/m out]: K/V written for k of request a's n tokens;", "0.35"),
+            ("    i of its m new tokens made", "0.35")]
     left += [(line, black) for q in format_queues(snap).splitlines()
-            for line in textwrap.wrap(q, 92, subsequent_indent="    ")]
+            for line in textwrap.wrap(q, 84, subsequent_indent="    ")]
     left += [("", black), ("block tables (logical -> physical block):", black)]
     refs = [b.ref_cnt for b in snap.blocks]
     for rid, table in snap.block_tables.items():
@@ -118,7 +119,7 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     if len(snap.events) > len(events):
         right.append((f"... {len(snap.events) - len(events)} earlier", black))
     right += [(line, black) for e in events
-              for line in textwrap.wrap(str(e), 70, subsequent_indent="    ")]
+              for line in textwrap.wrap(str(e), 56, subsequent_indent="    ")]
     if not events:
         right.append(("(none)", black))
 
@@ -126,9 +127,12 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     # The numbers left of the grid: each row's first block id (blocks count left to right).
     states.append(Line2D([], [], ls="none"))
     labels.append(f"0, {columns}, ...: the row's first block id")
-    strip = 1.0 + 1.1 * -(-len(states) // 3)  # rows of the grid's units below it, for the legend
+    legend_rows = -(-len(states) // 3)
+    # The strip below the grid that holds the legend, in the grid's units (a block is one):
+    # a legend row of 8.5-point type is about 0.18 inch, and a unit 0.42 or 0.27 inch.
+    strip = 0.3 + legend_rows * (0.45 if small else 0.7)
     heights = [(rows + strip) * (0.42 if small else 0.27), 0.5,
-               0.125 * max(len(left), len(right)) + 0.1]
+               0.155 * max(len(left), len(right)) + 0.1]
     fig = plt.figure(figsize=(10, sum(heights) + 0.9))
     grid = fig.add_gridspec(3, 1, height_ratios=heights, hspace=0.5, left=0.02, right=0.98,
                             top=0.94, bottom=0.02)
@@ -181,7 +185,9 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
                       f"{snap.block_size}{precision}): {counts}", fontsize=9)
     # Large enough for a projector: at most three entries a row.
-    ax_pool.legend(states, labels, fontsize=8.5, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+    # Right under the grid, so that no empty band separates the blocks from their key.
+    ax_pool.legend(states, labels, fontsize=8.5, loc="upper center",
+                   bbox_to_anchor=(0.5, (strip - 0.1) / (rows + strip)),
                    ncol=min(len(states), 3), frameon=False, handlelength=1.6,
                    borderaxespad=0.1, handler_map={tuple: HandlerTuple(ndivide=2, pad=0)})
 

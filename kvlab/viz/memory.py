@@ -33,19 +33,32 @@ def plot_kv_memory(bytes_per_token: int, seq_lens, batch_sizes, budget_bytes: fl
 
 def plot_no_cache(runs: dict, prompt_len: int):
     """Milliseconds per generated token, without a KV cache and with one (chapter 00)."""
-    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    import statistics
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
     styles = {"no cache": ("tab:red", "every token recomputes the whole sequence"),
               "KV cache": ("tab:blue", "every token computes itself only")}
-    for name, run in runs.items():
+    series = {name: [1000 * s for s in run["seconds"]] for name, run in runs.items()}
+    # The axis stops at twice the slowest run's median of its last tokens: one pause of the
+    # machine (a token taking seconds) would otherwise flatten the growth the figure is for.
+    top = 2 * max(statistics.median(ms[-8:]) for ms in series.values())
+    off_scale = []
+    for name, ms in series.items():
         colour, what = styles.get(name, (None, name))
-        ms = [1000 * s for s in run["seconds"]]
-        xs = range(1, len(ms) + 1)
+        xs = list(range(1, len(ms) + 1))
         # Token 1 is the prefill (the whole prompt) in both runs: drawn as a dot, not the line.
-        ax.plot(list(xs)[1:], ms[1:], color=colour, lw=1.2, label=f"{name}: {what}")
-        ax.plot([1], ms[:1], "o", color=colour, ms=4)
+        ax.plot(xs[1:], [min(m, top) for m in ms[1:]], color=colour, lw=1.2,
+                label=f"{name}: {what}")
+        ax.plot([1], [min(ms[0], top)], "o", color=colour, ms=4)
+        off_scale += [(x, m, colour) for x, m in zip(xs, ms) if m > top]
+    for x, m, colour in off_scale:
+        ax.annotate(f"{m:,.0f} ms", (x, top), xytext=(0, -10), textcoords="offset points",
+                    ha="center", va="top", fontsize=8, color=colour)
     ax.set_xlabel(f"generated token (after a {prompt_len}-token prompt; dot: the prefill)")
     ax.set_ylabel("ms for this token")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, top * 1.02)
+    ax.set_title("Time per new token, without and with a KV cache"
+                 + (" (tokens above the top: their ms written)" if off_scale else ""), fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -269,7 +282,7 @@ def plot_parallel_sampling(rows: list[dict]):
                 vals = [by[(prompt_len, n, mode)][key] for n in ns]
                 bars = ax.bar(xs, vals, width, color=_colour(m), hatch=hatches[m % 3],
                               ec="white", lw=0.5, label=mode)
-                ax.bar_label(bars, fontsize=6, padding=1)
+                ax.bar_label(bars, fontsize=7.5, padding=1)
             ax.set_xticks(range(len(ns)), [f"n={n}" for n in ns])
             ax.set_ylabel(ylabel, fontsize=8)
             ax.set_title(f"prompt {prompt_len} tokens", fontsize=9)

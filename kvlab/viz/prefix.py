@@ -26,6 +26,10 @@ def format_hash_chain(prompts: dict[str, list[int]], block_size: int, salts=None
                             salts.get(name))
         chains[name] = hashes
     first = next(iter(chains.values()))
+    # Every label padded to the longest, so that the keys line up in columns, block by block.
+    labels = {name: f"{name}" + (f" (salt {salts[name]!r})" if name in salts else "")
+              for name in chains}
+    width = max(8, *(len(label) for label in labels.values()))
     lines = []
     for name, hashes in chains.items():
         cells = []
@@ -33,8 +37,7 @@ def format_hash_chain(prompts: dict[str, list[int]], block_size: int, salts=None
             same = name != next(iter(chains)) and i < len(first) and first[i] == h
             cells.append(("=" if same else " ") + h.hex()[:digits])
         tail = len(prompts[name]) % block_size
-        salt = f" (salt {salts[name]!r})" if name in salts else ""
-        lines.append(f"{name:>8}{salt}: " + " ".join(cells)
+        lines.append(f"{labels[name]:>{width}}: " + " ".join(cells)
                      + (f"  + {tail} tokens in a partial block" if tail else ""))
     return "\n".join(lines)
 
@@ -59,8 +62,10 @@ def plot_ttft_attack(result: dict, ax=None, same_scale_as: dict | None = None):
     ax.set_xlabel("trial")
     ax.set_ylabel("B's TTFT (ms)")
     salted = "with per-tenant cache_salt" if result["salted"] else "no salt"
-    ax.set_title(f"{salted}: B guesses right {result['accuracy']:.0%} of the time", fontsize=9)
-    ax.legend(fontsize=7)
+    trials = len(result["rows"])  # one row a trial: the count the rate comes from
+    ax.set_title(f"{salted}: B right in {round(result['accuracy'] * trials)} of {trials} trials",
+                 fontsize=9)
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
 
@@ -68,7 +73,7 @@ def plot_ttft_attack(result: dict, ax=None, same_scale_as: dict | None = None):
 def plot_cold_warm_ttft(runs: list[dict], ax=None):
     """First (cold) against later (warm) TTFT, one pair of bars per `cold_warm_ttft` run
     (caching on, caching off), each labelled with its median; the warm bar's whisker spans
-    the warm requests' range. Log scale: a hit is an order of magnitude faster."""
+    the warm requests' range."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6.4, 3.4))
     width = 0.38
@@ -76,8 +81,9 @@ def plot_cold_warm_ttft(runs: list[dict], ax=None):
         lo, hi = run["warm_ttft_ms_range"]
         warm = run["warm_ttft_ms"]
         for dx, value, colour, label, err in (
-                (-width / 2, run["cold_ttft_ms"], "tab:red", "first request (cold)", None),
-                (width / 2, warm, "tab:blue", "later requests (median)",
+                (-width / 2, run["cold_ttft_ms"], "tab:red",
+                 "cold (median: first requests, and resends after a cache reset)", None),
+                (width / 2, warm, "tab:blue", "later requests (median; whisker: range)",
                  [[warm - lo], [hi - warm]])):
             ax.bar(i + dx, value, width, color=colour, yerr=err, capsize=3,
                    label=label if i == 0 else None)
@@ -178,7 +184,7 @@ def draw_free_queue(snapshots: list[dict], ax=None):
     ax.annotate("head: reused first", xy=(0.2, top + 0.05), xytext=(0.2, top + 0.45),
                 fontsize=7, arrowprops={"arrowstyle": "->", "lw": 0.8})
     ax.text(width - 0.1, top + 0.25, "tail", ha="right", fontsize=7)
-    ax.text(width + gap, top + 0.25, "in use", fontsize=7)
+    ax.text(width + gap, top + 0.25, "in use (by block id)", fontsize=7)
     ax.set_xlim(-0.2, width + gap + max(len(s["in_use"]) for s in snapshots) + 0.2)
     ax.set_ylim(0, top + 0.8)
     ax.set_aspect("equal")

@@ -13,7 +13,7 @@ def plot_gantt(traces: dict[str, list], title: str = "requests over steps"):
 
     `traces` maps a run's name to its StepRecords (e.g. `BatchResult.steps`).
     """
-    fig, axes = plt.subplots(len(traces), 1, figsize=(7.5, 1.6 + 1.1 * len(traces)), sharex=True)
+    fig, axes = plt.subplots(len(traces), 1, figsize=(7.5, 1.6 + 1.5 * len(traces)), sharex=True)
     axes = [axes] if len(traces) == 1 else list(axes)
     for ax, (name, steps) in zip(axes, traces.items()):
         first = steps[0].step if steps else 0
@@ -23,7 +23,7 @@ def plot_gantt(traces: dict[str, list], title: str = "requests over steps"):
                 rows.setdefault(rid, []).append(rec.step - first)
         for y, (rid, xs) in enumerate(rows.items()):
             ax.broken_barh([(x, 0.9) for x in xs], (y - 0.4, 0.8), color=_colour(y))
-        ax.set_yticks(range(len(rows)), list(rows), fontsize=7)
+        ax.set_yticks(range(len(rows)), list(rows), fontsize=8.5)
         ax.invert_yaxis()
         ax.set_title(f"{name}: {len(steps)} steps", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
@@ -81,19 +81,21 @@ def plot_capacity(sweep: dict, control: dict | None = None):
     rows = sweep["rows"]
     cs = [r["concurrency"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 4.3))  # room below for the legends
-    budget = f"KV budget {sweep['kv_tokens']} tokens"
-    ax1.plot(cs, [r["tok_s"] for r in rows], "o-", label=budget)
-    ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:red", label=budget)
+    budget = f"KV budget {sweep['kv_tokens']:,} tokens"
+    # One colour for the budgeted series in both panels: it is one run, read twice.
+    ax1.plot(cs, [r["tok_s"] for r in rows], "o-", color="tab:blue", label=budget)
+    ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:blue", label=budget)
     if control is not None:
-        for ax, key, colour in ((ax1, "tok_s", "tab:blue"), (ax2, "ttft_median_ms", "tab:red")):
+        for ax, key, colour in ((ax1, "tok_s", "tab:blue"), (ax2, "ttft_median_ms", "tab:blue")):
             ax.plot([control["concurrency"]], [control[key]], "o", mfc="none", ms=9, mew=1.5,
                     color=colour, label="control: KV for every request")
             ax.margins(y=0.15)  # the hollow marker is often the highest point: not on the frame
     for c, r in zip(cs, rows):
         if r["preemptions"]:
-            # Below and left of its point, so that the last point's label stays on the axes.
+            # Above and left of its point: the line rises to it from the left, so the label
+            # clears the line and stays on the axes at the last point.
             ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=8,
-                         textcoords="offset points", xytext=(-6, -4), ha="right", va="top")
+                         textcoords="offset points", xytext=(-6, 8), ha="right", va="bottom")
     # Below each panel, not on it: the lines rise and fall across the whole width and the
     # knee's dashed line crosses the middle, so no corner of the axes is reliably empty.
     _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"],
@@ -119,6 +121,8 @@ def plot_stall(runs: list):
         ax.axvline(run.insert_time, color=_colour(i), ls=":", lw=1)
     ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
     ax.set_ylabel("gap since the previous token (ms)")
+    ax.set_title("One decoding request's gaps between tokens while a long prompt is prefilled",
+                 fontsize=10)
     log_axis(ax.yaxis)
     # Beside the axes: the steps fill the whole frame, and "best" can only pick the emptiest
     # corner, which still touched the unchunked run's points.
@@ -148,6 +152,7 @@ def plot_gap_vs_budget(runs: list, prefill_tokens_per_s: float, decode_step_s: f
                        label=f"no chunking: {1000 * r.max_gap:.0f} ms")
     ax.set_xlabel("max_num_batched_tokens (tokens per step)")
     ax.set_ylabel("worst decode gap (ms)")
+    ax.set_title("Worst decode gap against the token budget", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
