@@ -484,3 +484,21 @@ def test_a_quantized_pool_shows_its_precision_bytes_per_token_and_blocks(text_id
     assert (f"kv_cache_dtype int8_per_token_head: {stats['kv_bytes_per_token']:,} bytes/token"
             in titles["int8_per_token_head"])
     assert f"{stats['num_blocks']} blocks" in titles["int8_per_token_head"]
+
+
+def test_the_explorer_reads_from_the_back_of_a_room():
+    """The queue and block-table text is at least 8 points, and the pool's legend sits right
+    under the grid: no empty band between the blocks and their key."""
+    snap = handmade_snapshot()
+    fig = draw_snapshot(snap)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    pool, _, text = fig.axes
+    assert min(t.get_fontsize() for t in text.texts) >= 8
+    lowest_block = min(p.get_window_extent(renderer).y0 for p in pool.patches
+                       if (p.get_gid() or "").startswith("block-"))
+    block_height = max(p.get_window_extent(renderer).height for p in pool.patches
+                       if (p.get_gid() or "").startswith("block-"))
+    legend_top = pool.get_legend().get_window_extent(renderer).y1
+    assert 0 <= lowest_block - legend_top < 0.6 * block_height
+    plt.close(fig)
