@@ -55,7 +55,9 @@ class SchedulerOutput:
     # Filled in when the step is decided, before the requests advance.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # vLLM's name
     # Admitted this step: first admissions, and re-admissions after a preemption, whose ids are
-    # also in resumed_req_ids (vLLM lists those among scheduled_cached_reqs instead).
+    # also in resumed_req_ids. vLLM 0.33.0's default Model Runner V2 lists resumed requests in
+    # scheduled_new_reqs too (its resumed_req_ids then stays empty); the V1 runner lists them
+    # among scheduled_cached_reqs, in CachedRequestData.resumed_req_ids.
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
     # Each scheduled request's whole block table. vLLM sends a new request's table

@@ -19,10 +19,10 @@ def format_bytes(n: float) -> str:
 
 
 # Requests 11-20 after tab10's ten: saturated colours tab10 lacks (navy, yellow, teal, maroon,
-# lime, violet, ...). tab20's light halves were used before, but pale fills read as the pool's
-# pale "waste" states and pairs of them blur on a projector. No magenta and no black: those
-# mark copied blocks and the budget bar.
-_AFTER_TAB10 = ("#000075", "#ffe119", "#469990", "#800000", "#bfef45", "#911eb4", "#4363d8",
+# lime, dark goldenrod, ...). tab20's light halves were used before, but pale fills read as the
+# pool's pale "waste" states and pairs of them blur on a projector. No magenta and no black:
+# those mark copied blocks and the budget bar.
+_AFTER_TAB10 = ("#000075", "#ffe119", "#469990", "#800000", "#bfef45", "#b8860b", "#4363d8",
                 "#e6194b", "#3cb44b", "#f58231")
 
 

@@ -110,7 +110,8 @@ def plot_roofline_sweep(results: dict):
         bars = ax2.bar(xs, [100 * r[f"fraction_{key}"] for r in rows], width,
                        color=_colour(i), label=name)
         # Each bar names the bound that sets its ceiling (memory or compute), as the sweep prints.
-        ax2.bar_label(bars, [f"{100 * r[f'fraction_{key}']:.0f}%\n{r.get(f'bound_{key}', '')}"
+        ax2.bar_label(bars, [f"{100 * r[f'fraction_{key}']:.0f}%"
+                             + (f"\n{r[f'bound_{key}']}" if r.get(f"bound_{key}") else "")
                              for r in rows], fontsize=7)
     ax2.set_xticks(range(len(rows)), [str(b) for b in batches])
     ax2.set_xlabel(f"running requests (context {ctx})")
