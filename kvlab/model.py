@@ -342,7 +342,10 @@ MADV_PAGEOUT = 21
 def page_out(tensors) -> int:
     """Ask the kernel to reclaim the pages of `tensors` (CPU ones) that nothing needs now;
     returns the bytes advised. A no-op returning 0 where madvise or MADV_PAGEOUT is missing
-    (macOS, Windows, older Linux). The tensors stay valid: a read brings their pages back."""
+    (macOS, Windows, older Linux). The tensors stay valid: a read brings their pages back.
+    Pages that another process maps too (a second kernel that loaded the same weights) stay
+    where they are: the kernel reclaims only pages this process alone maps, and a shared page
+    is held once for all of them anyway."""
     import ctypes
     import mmap
 

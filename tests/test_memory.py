@@ -4,6 +4,8 @@ them. transformers' pages go back to the kernel and return when transformers run
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -78,12 +80,19 @@ print(json.dumps({"params": params, "read": read, "built": built, "after_hf": fi
 
 @linux_only
 @pytest.mark.slow
-def test_an_engine_leaves_transformers_weights_to_the_file_until_transformers_runs():
+def test_an_engine_leaves_transformers_weights_to_the_file_until_transformers_runs(tmp_path):
     """Where the fast path packs its own copies (fp32 on a CPU), building an engine hands
     transformers' pages back; transformers then reads them again and its tokens still equal
     kvlab's. In a process of its own: the resident sizes are the process's."""
+    # A copy of the converted weights of its own: the kernel reclaims only pages that this
+    # process alone maps, and this test session (its `loaded` fixture) maps the shared copy.
+    from kvlab.model import packaged_model_folder
+
+    folder = packaged_model_folder()
+    shutil.copytree(folder, tmp_path / folder.name)
+    env = {**os.environ, "KVLAB_CACHE": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["same"]
