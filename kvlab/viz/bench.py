@@ -118,7 +118,8 @@ def plot_roofline_sweep(results: dict):
     # Headroom above the tallest bar's label, so the legend (top) covers no label.
     ax2.set_ylim(0, 1.45 * max(100 * r["fraction_mm"] for r in rows))
     if len(ceilings) == 1:  # one series: its name is the axis's, a legend would repeat it
-        ax2.set_ylabel(f"share of the ceiling (%)\n{ceilings[0][3].removeprefix('of the ceiling ')}")
+        which = ceilings[0][3].removeprefix("of the ceiling ")
+        ax2.set_ylabel(f"share of the ceiling (%)\n{which}")
     else:
         ax2.set_ylabel("share of the ceiling (%)")
         ax2.legend(fontsize=7, loc="upper center", ncol=2)
