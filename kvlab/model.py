@@ -332,6 +332,19 @@ def model_linears(loaded: LoadedModel, fast: bool) -> tuple[list[LayerLinears], 
     return layers, head
 
 
+@functools.cache
+def libc():
+    """The C library this process runs on, through ctypes, or None where it cannot be opened:
+    the memory advice below and workshop.release's heap trim call into it."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+
+
 # Linux's madvise(2) advice that reclaims a range's pages now (Linux 5.4 and later). Pages
 # mapped from a file (transformers maps the safetensors file kvlab converted) are dropped and
 # read back from the file on the next access; anonymous pages go to swap, or stay where there is
@@ -349,10 +362,8 @@ def page_out(tensors) -> int:
     import ctypes
     import mmap
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    madvise = getattr(libc(), "madvise", None)
+    if madvise is None:
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page, advised, seen = mmap.PAGESIZE, 0, set()

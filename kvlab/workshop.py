@@ -148,13 +148,8 @@ def _ipython_shell(namespace: dict):
 def _return_freed_heap() -> None:
     """glibc keeps freed heap pages for reuse; give them back so the resident size says what
     is still held (no-op on other C libraries)."""
-    import ctypes
-    import ctypes.util
+    from kvlab.model import libc
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass
+    malloc_trim = getattr(libc(), "malloc_trim", None)
+    if malloc_trim is not None:
+        malloc_trim(0)

@@ -86,9 +86,9 @@ def plot_capacity(sweep: dict, control: dict | None = None):
     ax1.plot(cs, [r["tok_s"] for r in rows], "o-", color="tab:blue", label=budget)
     ax2.plot(cs, [r["ttft_median_ms"] for r in rows], "o-", color="tab:blue", label=budget)
     if control is not None:
-        for ax, key, colour in ((ax1, "tok_s", "tab:blue"), (ax2, "ttft_median_ms", "tab:blue")):
+        for ax, key in ((ax1, "tok_s"), (ax2, "ttft_median_ms")):
             ax.plot([control["concurrency"]], [control[key]], "o", mfc="none", ms=9, mew=1.5,
-                    color=colour, label="control: KV for every request")
+                    color="tab:blue", label="control: KV for every request")
             ax.margins(y=0.15)  # the hollow marker is often the highest point: not on the frame
     for c, r in zip(cs, rows):
         if r["preemptions"]:
