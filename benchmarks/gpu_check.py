@@ -172,7 +172,7 @@ def fused_sdpa_check(device: str) -> dict:
     """kvlab's prefills (whole prompts and chunks after cached blocks) and decodes, with SDPA
     allowed only its fused kernels: a call that would fall back to the math kernel raises."""
     if device != "cuda":
-        raise Skip("SDPA's fused kernels are CUDA's; on a CPU tests/test_gpu_paths.py checks "
+        raise Skip("SDPA's fused kernels are CUDA's; on a CPU tests/engine/test_gpu_paths.py checks "
                    "that no call asks for a broadcast they refuse")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -198,7 +198,7 @@ def activation_range(device: str, weights: dict) -> dict:
     float16's range (65,504): the T4 path runs in fp16."""
     if weights["weights"] != "packaged":
         raise Skip("random weights: their activations say nothing about the trained model's "
-                   "(tests/test_gpu_paths.py checks the packaged model's on a CPU)")
+                   "(tests/engine/test_gpu_paths.py checks the packaged model's on a CPU)")
     from kvlab.bench.activations import largest_activations
 
     loaded = load_model(None, device, "float32")
@@ -307,12 +307,12 @@ def peers_check(device: str, num_requests: int, repeats: int) -> dict:
     generate_batch sizes its paged cache from psutil's memory figures and, without psutil,
     from zero bytes (it fails: "num_blocks = -5"); on CUDA it asks the GPU. So on a CPU
     without psutil the part is skipped with that reason instead of failing on a peer's gap."""
-    from kvlab.bench import peers
+    from kvlab.bench import offline_peers
 
     if device == "cpu" and importlib.util.find_spec("psutil") is None:
         raise Skip("transformers' generate_batch sizes its cache from psutil on a CPU, and "
                    "psutil is not installed")
-    return peers.compare_peers(num_requests=num_requests, repeats=repeats)
+    return offline_peers.compare_peers(num_requests=num_requests, repeats=repeats)
 
 
 def make_parts(device: str, quick: bool, out_dir: Path, weights: dict, scale: float,
@@ -334,14 +334,14 @@ def make_parts(device: str, quick: bool, out_dir: Path, weights: dict, scale: fl
                       lambda r: r["max_abs"] < r["fp16_max"] / 8))
     parts.append(Part("speed", lambda: speed_check(device, (1, 16)), 300))
     if not quick:
-        from kvlab.bench import peers, reproduce
+        from kvlab.bench import offline_peers, reproduce
 
         # --small (a CPU's dry run): the same calls on workloads a 2-core CPU finishes; the GPU
         # runs the sizes below it.
         num_requests, batch, repeats = (8, 16, 1) if small else (64, 64, 3)
         parts.append(Part("speed_batch64", lambda: speed_check(device, (64,)), 300))
         parts.append(Part("peers", lambda: peers_check(device, num_requests, repeats), 400))
-        parts.append(Part("ceiling", lambda: peers.ceiling_fraction(batch=batch), 200))
+        parts.append(Part("ceiling", lambda: offline_peers.ceiling_fraction(batch=batch), 200))
         parts.append(Part("reproduce", lambda: {
             name: len(rows) for name, rows in reproduce.run_experiments(
                 list(reproduce.EXPERIMENTS), repeats=repeats, out_dir=out_dir,

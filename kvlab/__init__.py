@@ -10,7 +10,7 @@ from kvlab.engine import LLM, LLMEngine
 from kvlab.model import load_model
 from kvlab.outputs import CompletionOutput, RequestOutput
 from kvlab.sampling import SamplingParams
-from kvlab.utils import seed_everything, show
+from kvlab.utils import seed_everything
 
 __version__ = "0.1.0"
 __all__ = [
@@ -24,5 +24,4 @@ __all__ = [
     "CompletionOutput",
     "load_model",
     "seed_everything",
-    "show",
 ]

@@ -54,7 +54,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     A copy from ordinary (pageable) memory to a GPU blocks the host until the driver has staged
     it; from pinned memory it is queued like a kernel (`non_blocking`), and torch's caching host
     allocator keeps the pinned block until the copy has run. On a CPU: the tensor itself.
-    Every host-to-device copy of a step goes through here (tests/test_gpu_paths.py counts them).
+    Every host-to-device copy of a step goes through here (tests/engine/test_gpu_paths.py counts them).
     """
     if device.type == "cpu":
         return host

@@ -106,7 +106,7 @@ class LLMEngine:
         self.step_trace: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
         # The last step's decision, kept for reading only (the engine explorer in
-        # kvlab/explorer.py draws its token budget, preemptions and copies); never fed back.
+        # kvlab/workbook/explorer.py draws its token budget, preemptions and copies); never fed back.
         self.last_scheduler_output: SchedulerOutput | None = None
         # (step number, event): the block pool's KV cache events (kvlab/kv_events.py), drained
         # after every step and outside one (aborts, resets); the most recent ones only.

@@ -22,7 +22,7 @@ that needs more) and held static; `mask_mod` and each padded length's BlockMask 
 The first step compiles one graph; the first step with another padded length compiles a second
 with the rows symbolic (dynamo's automatic dynamic shapes); after that no step of that engine
 compiles, and another engine compiles one more graph only if its pool differs
-(`python -m kvlab.bench compiled-flex` counts them; tests/test_compiled_flex.py holds the count).
+(`python -m kvlab.bench compiled-flex` counts them; tests/bench/test_compiled_flex.py holds the count).
 Eager, FlexAttention evaluates `mask_mod` on every (query, slot) pair: slow, a correctness check.
 """
 

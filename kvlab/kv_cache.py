@@ -326,7 +326,7 @@ class KVCacheManager:
         `num_tokens` gives each request's tokens in the cache now; `final_tokens`, where known,
         its length at the end: a held slot below that is reserved, one past it is internal waste
         (it will never hold a token). Without `final_tokens` every held, empty slot counts as
-        reserved. Chapter 01's pictures draw it (kvlab.viz.draw_memory_map).
+        reserved. Chapter 01's pictures draw it (kvlab.workbook.viz.draw_memory_map).
         """
         bs = self.block_size
         owner: list[tuple[str | None, int, int]] = [(None, 0, 0)] * self.num_blocks

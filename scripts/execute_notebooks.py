@@ -16,7 +16,7 @@ VmHWM, read after every cell) go into notebooks/timings.json with the machine, t
 back, so that average includes the previous notebook's own kernel; it is kept as a hint, not a
 proof of a quiet machine). The "minutes here" and "peak GB here" columns of the chapter tables in README.md and
 notebooks/FACILITATOR.md, and the line between their `<!-- timings -->` markers, are rewritten
-from that file after every notebook; tests/test_workshop.py checks that they agree with it. Run
+from that file after every notebook; tests/workbook/test_session.py checks that they agree with it. Run
 it alone on a quiet machine: the times are what the README promises. It refuses to run with
 KVLAB_SIZE set to anything but "full": the committed outputs are the full run.
 """

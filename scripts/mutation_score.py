@@ -1,6 +1,6 @@
 """How much wrong code do the exercise checks catch? A mutation score per exercise.
 
-Every reference solution in `kvlab.exercises` is parsed with `ast`, and single-point mutants are
+Every reference solution in `kvlab.workbook.exercises` is parsed with `ast`, and single-point mutants are
 made from it: a comparison operator swapped (< <= > >= == != is in), an integer constant +1/-1,
 an index or slice bound +1/-1, and/or swapped, True/False swapped, one statement deleted, min and
 max swapped, the other end of a queue (popitem(last=False) vs popitem(), pop() vs pop(0)), one
@@ -28,8 +28,8 @@ import textwrap
 import time
 from dataclasses import dataclass
 
-from kvlab import exercises
-from kvlab.exercises._report import run_check
+from kvlab.workbook import exercises
+from kvlab.workbook.exercises._report import run_check
 
 OVERALL_TARGET, PER_EXERCISE_TARGET = 0.80, 0.60
 MUTANT_TIMEOUT_S = 20.0  # a mutant that runs longer than this counts as caught

@@ -3,10 +3,10 @@
     python scripts/solved_notebooks.py              (or: make solved) into build/solved/
     python scripts/solved_notebooks.py --out DIR
 
-Made from one source, `kvlab.exercises`: each cell whose source is an exercise's stub is replaced
+Made from one source, `kvlab.workbook.exercises`: each cell whose source is an exercise's stub is replaced
 by what `exercises.solution(name)` prints (its imports, then the reference), and every output is
 cleared, so the copy runs top to bottom and each check passes. The participants' notebooks are
-never touched; build/ is not committed (tests/test_build_track.py makes the copies and checks
+never touched; build/ is not committed (tests/workbook/test_build_track.py makes the copies and checks
 that every stub was replaced and every answer passes its fast cases).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 BANNER = ("> **Instructor's copy.** Every *Your turn* and *Challenge* cell below holds kvlab's "
-          "answer, made by `scripts/solved_notebooks.py` from `kvlab.exercises`; the "
+          "answer, made by `scripts/solved_notebooks.py` from `kvlab.workbook.exercises`; the "
           "participants' notebook is `notebooks/{name}`. Do not hand this one out before the "
           "session.")
 
@@ -28,7 +28,7 @@ def solve(path: Path):
     """The notebook at `path` with every stub replaced; returns (notebook, names replaced)."""
     import nbformat
 
-    from kvlab import exercises
+    from kvlab.workbook import exercises
 
     nb = nbformat.read(path, as_version=4)
     stubs = {ex.stub.strip(): ex for ex in exercises.by_chapter(path.stem)}
@@ -46,7 +46,7 @@ def solve(path: Path):
     missing = set(ex.name for ex in stubs.values()) - set(replaced)
     if missing:
         raise SystemExit(f"{path.name}: no stub cell for {sorted(missing)}; the notebook and "
-                         f"kvlab.exercises disagree")
+                         f"kvlab.workbook.exercises disagree")
     nb.cells.insert(0, nbformat.v4.new_markdown_cell(BANNER.format(name=path.name)))
     nb.metadata.pop("widgets", None)
     return nb, replaced

@@ -20,7 +20,7 @@ the comparison is of the same work.
 
 from kvlab.bench.common import BENCH_TEXT, make_prompts, time_runs, transformers_generate
 from kvlab.bench.cow import cow_run, cow_savings, mean_shape_savings
-from kvlab.bench.speed import speed
+from kvlab.bench.generate_speed import speed
 
 __all__ = ["BENCH_TEXT", "make_prompts", "time_runs", "transformers_generate", "speed",
            "cow_run", "cow_savings", "mean_shape_savings"]

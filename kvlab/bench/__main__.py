@@ -56,7 +56,7 @@ def client_benchmark(args) -> dict:
     import asyncio
     import random
 
-    from kvlab.bench.client import run_benchmark
+    from kvlab.bench.stream_client import run_benchmark
     from kvlab.bench.prefix import random_prompt
 
     rng = random.Random(0)
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", help="also write the results to this file")
-    from kvlab.bench.api import API_EXPERIMENTS, SIZES
+    from kvlab.bench.api_experiments import API_EXPERIMENTS, SIZES
     from kvlab.bench.reproduce import EXPERIMENTS
 
     p = sub.add_parser("reproduce", help="the cited experiments each chapter reproduces, "
@@ -186,7 +186,7 @@ def main(argv=None) -> None:
         from kvlab.bench.reproduce import run_experiments
 
         if args.base_url:
-            from kvlab.bench.api import run_api_experiments
+            from kvlab.bench.api_experiments import run_api_experiments
 
             unknown = sorted(set(args.names) - set(API_EXPERIMENTS))
             if unknown:
@@ -202,20 +202,20 @@ def main(argv=None) -> None:
         run_experiments(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
         return
     if args.command == "serve-peers":
-        from kvlab.bench import serve_peers
+        from kvlab.bench import online_peers
 
-        rows = serve_peers.compare_servers(
+        rows = online_peers.compare_servers(
             tuple(args.concurrency), args.max_tokens, args.words,
-            args.num_requests or serve_peers.default_num_requests, args.model)
-        print(serve_peers.report(rows), flush=True)
+            args.num_requests or online_peers.default_num_requests, args.model)
+        print(online_peers.report(rows), flush=True)
     elif args.command == "peers":
-        from kvlab.bench import peers
+        from kvlab.bench import offline_peers
         from kvlab.bench.roofline import roofline
 
         rows = {"roofline": roofline(args.model, log=print_json)}
-        rows["ceiling"] = peers.ceiling_fraction(model=args.model)
+        rows["ceiling"] = offline_peers.ceiling_fraction(model=args.model)
         print_json(rows["ceiling"])
-        rows["peers"] = peers.compare_peers(repeats=args.repeats, model=args.model)
+        rows["peers"] = offline_peers.compare_peers(repeats=args.repeats, model=args.model)
         print_json(rows["peers"])
     elif args.command == "roofline":
         from kvlab.bench.roofline import PaddedDecodeBackend, roofline

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvlab import sim
+from kvlab.workbook import allocator_sim
 from kvlab.bench import prefix, scheduling
 from kvlab.bench.cow import cow_savings
 from kvlab.engine import LLM
@@ -104,8 +104,8 @@ def paged_admission(repeats: int = 3, model: str | None = None,
     of 10-512 tokens, 10,000 slots), then the real model: 16 requests, a 2,560-token budget."""
     rows = []
     for seed in tqdm(range(repeats), desc="paged admission", disable=not progress):
-        lengths = sim.request_lengths(100, 10, 512, seed=seed)
-        runs = {layout: sim.simulate(lengths, layout) for layout in ("contiguous", "paged")}
+        lengths = allocator_sim.request_lengths(100, 10, 512, seed=seed)
+        runs = {layout: allocator_sim.simulate(lengths, layout) for layout in ("contiguous", "paged")}
         for layout, r in runs.items():
             rows.append({"run": f"simulation seed {seed}", "kv_layout": layout,
                          "mean_running": round(r.mean_running, 1), "peak_running": r.max_running,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.bench.common import make_prompts
-from kvlab.bench.peers import decode_ceiling, machine_rates
+from kvlab.bench.offline_peers import decode_ceiling, machine_rates
 from kvlab.engine import LLM
 from kvlab.sampling import SamplingParams
 

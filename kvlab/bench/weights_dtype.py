@@ -20,7 +20,7 @@ import torch
 
 from kvlab.bench.common import make_prompts, transformers_generate
 from kvlab.bench.kv_dtype import first_divergence
-from kvlab.bench.peers import decode_ceiling
+from kvlab.bench.offline_peers import decode_ceiling
 from kvlab.bench.roofline import best_rates, decode_steps
 from kvlab.engine import LLM
 from kvlab.platforms import cpu_native_bf16

@@ -1,0 +1,140 @@
+"""`kvlab serve ...`: vLLM's flag names, mapped onto `LLM(...)`.
+
+Defined for notebook 07: `engine_kwargs(parser().parse_args([...]))` shows which `LLM` knob each
+vLLM flag sets, so a command line carries over between the two; `server_kwargs` does the same for
+the server's own options (`build_app(...)`).
+
+Key mode, modelled on vLLM's `--api-key` / `VLLM_API_KEY` (the flag wins over the variable):
+`--api-keys-file PATH` or `KVLAB_API_KEYS` holds {key: tenant} (a JSON object, or
+`key1=tenant-a,key2=tenant-b`: see `kvlab.serve.tenants`), and `--salt-secret-file PATH` or
+`KVLAB_SALT_SECRET` the secret the tenants' salts derive from. Unlike vLLM there is no flag that
+takes a key itself: a command line is readable by every local user (`ps`, /proc/PID/cmdline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+from kvlab.config import BACKENDS
+from kvlab.kv_quant import KV_CACHE_DTYPES
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="kvlab")
+    sub = top.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="an OpenAI-compatible server on localhost")
+    p.add_argument("model", nargs="?", default=None, help="hub id or folder (default: packaged)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="kvlab-only: the KV budget in tokens (vLLM: --gpu-memory-utilization)")
+    # vLLM's flags (vllm/config/cache.py, vllm/engine/arg_utils.py): how K/V are stored, and
+    # the pool in bytes (not with --kv-cache-tokens).
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="K/V storage precision (auto: the model's dtype)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV pool's size in bytes (scales included)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--prefix-caching-hash-algo", default="sha256")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM 0.33.0's scheduler flags (vllm/config/scheduler.py), with vLLM's defaults.
+    p.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
+                   default=True, help="admit a request only when its whole prompt fits")
+    p.add_argument("--watermark", type=float, default=0.0,
+                   help="fraction of KV blocks an admission must leave free")
+    # vLLM's two flags (vllm/engine/arg_utils.py); vLLM's --attention-backend takes its own
+    # backends' names (FLASH_ATTN, FLEX_ATTENTION, CPU_ATTN: vllm/v1/attention/backends/
+    # registry.py), kvlab's takes kvlab's three.
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto",
+                   help="kvlab's attention backend (LLM(backend=...))")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="never compile (unset: the flex backend compiles on a GPU only)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (off, as in vLLM)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: the model's own name)")
+    # vLLM's observability flags (vllm/engine/arg_utils.py): the KV block residency histograms.
+    # vLLM: off, sampling 0.01 of blocks; kvlab: on, every block (the pools here are small).
+    p.add_argument("--kv-cache-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="the vllm:kv_block_* residency histograms on /metrics")
+    p.add_argument("--kv-cache-metrics-sample", type=float, default=1.0,
+                   help="fraction of KV blocks timed for those histograms")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="key mode: a JSON object {key: tenant} (or key=tenant pairs); every /v1 "
+                        "request then needs 'Authorization: Bearer <key>' and gets its tenant's "
+                        "cache salt (env: KVLAB_API_KEYS, same format)")
+    p.add_argument("--salt-secret-file", default=None, metavar="PATH",
+                   help="key mode: the secret (>= 32 bytes) the tenants' salts derive from; "
+                        "default random at start, so cached prefixes do not survive a restart "
+                        "(env: KVLAB_SALT_SECRET)")
+    return top
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The `LLM(...)` keyword arguments a `kvlab serve` command line stands for."""
+    return {"model": args.model, "block_size": args.block_size,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+            "enable_chunked_prefill": args.enable_chunked_prefill,
+            "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
+            "watermark": args.watermark,
+            "backend": args.attention_backend, "enforce_eager": args.enforce_eager}
+
+
+def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
+    """The `build_app(...)` keyword arguments a `kvlab serve` command line (and environment)
+    stands for. Raises ValueError, never quoting a key or the secret, on a bad map or secret."""
+    from kvlab.serve.tenants import MIN_SECRET_BYTES, parse_api_keys
+
+    environ = os.environ if environ is None else environ
+    api_keys = salt_secret = None
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            api_keys = parse_api_keys(f.read())
+    elif environ.get("KVLAB_API_KEYS", "").strip():  # empty counts as unset, as VLLM_API_KEY
+        api_keys = parse_api_keys(environ["KVLAB_API_KEYS"])
+    if args.salt_secret_file:
+        with open(args.salt_secret_file, "rb") as f:
+            salt_secret = f.read().strip()  # `echo $SECRET > file` leaves a newline
+    elif environ.get("KVLAB_SALT_SECRET", "").strip():
+        salt_secret = environ["KVLAB_SALT_SECRET"].strip().encode("utf-8")
+    if salt_secret is not None and len(salt_secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the salt secret must be at least {MIN_SECRET_BYTES} bytes")
+    if salt_secret is not None and api_keys is None:
+        raise ValueError("a salt secret (--salt-secret-file / KVLAB_SALT_SECRET) is only used "
+                         "with API keys (--api-keys-file / KVLAB_API_KEYS)")
+    # vLLM's switch for its development routes (POST /reset_prefix_cache among them).
+    dev_mode = environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
+    return {"enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+            "api_keys": api_keys, "salt_secret": salt_secret, "dev_mode": dev_mode,
+            "model_name": args.served_model_name, "kv_cache_metrics": args.kv_cache_metrics,
+            "kv_cache_metrics_sample": args.kv_cache_metrics_sample}
+
+
+def main(argv=None) -> None:
+    top = parser()
+    args = top.parse_args(argv)
+    try:
+        app_kwargs = server_kwargs(args)
+    except (OSError, ValueError) as e:
+        top.error(str(e))
+
+    from kvlab.engine import LLM
+    from kvlab.serve.api_server import serve
+
+    serve(LLM(**engine_kwargs(args)), args.host, args.port, **app_kwargs)
+
+
+if __name__ == "__main__":
+    main()

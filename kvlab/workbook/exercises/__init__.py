@@ -1,0 +1,114 @@
+"""The build track: in each chapter you write the mechanism, and kvlab checks it on the real engine.
+
+    from kvlab.workbook import exercises
+    exercises.check("block_pool", TinyBlockPool)   # behaviour tests, then the real model
+    exercises.hint("block_pool")                   # a nudge
+    exercises.compare("block_pool", TinyBlockPool) # after your attempt: yours beside kvlab's
+    exercises.solution("block_pool")               # kvlab's answer, printed
+
+A check first runs fast cases (small hand-made examples, then seeded random ones compared with
+kvlab's own code), then plugs your code into a fresh small engine on the real model: the tokens
+must equal kvlab's own and the bookkeeping must hold (no leaked block, consistent ref counts). It
+reports what passed, the first failing case in words, and a hint. It never raises on wrong code:
+if your code raises, the report shows your traceback.
+
+Exercises, by chapter:
+    00 decode_attention    attention of one decode token over its request's KV cache
+    01 block_pool          free queue, reference counts, all-or-nothing allocation
+    01 allocate_slots      how many blocks a request needs now
+    01 paged_attention     the same attention, through the block table
+    02 fork                share the parent's blocks
+    02 copy_on_write       copy a shared block before writing into it
+    03 schedule            one scheduling step, with preemption
+    04 chunked_prefill     each request's share of the token budget
+    05 block_hashes        the block hash chain, salt in block 0
+    05 longest_cache_hit   whole blocks, stop at the first miss, never the last token
+    06 timing_attack       read a cache hit off the clock
+    08 quantize_int8       int8 K/V with a scale per (token, head)
+
+Challenges (kind "challenge": a decision, measured on the real model against the best one):
+    01 kv_pool_size        the smallest KV pool for a burst, contiguous and paged
+    02 fork_pool_size      the smallest KV pool for n forked samples
+    03 max_num_seqs        the concurrency limit for a KV budget
+    04 chunk_budget        the token budget that keeps a decode's worst gap under a target
+    05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
+    06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
+    08 kv_precision        a kv_cache_dtype and a pool in bytes for a burst, within a KL bound
+"""
+
+from __future__ import annotations
+
+from kvlab.workbook.exercises import (
+    challenges,
+    challenges_pool,
+    ch00_attention,
+    ch01_block_pool,
+    ch01_paged_attention,
+    ch02_copy_on_write,
+    ch03_scheduling,
+    ch04_chunked_prefill,
+    ch05_prefix_caching,
+    ch06_cache_salt,
+    ch08_kv_precision,
+)
+from kvlab.workbook.exercises._common import Case, Exercise, IdPool, Mismatch, RequestView
+from kvlab.workbook.exercises._compare import Comparison
+from kvlab.workbook.exercises._report import CheckResult
+
+EXERCISES: dict[str, Exercise] = {
+    ex.name: ex
+    for group in (ch00_attention.EXERCISES, ch01_block_pool.EXERCISES,
+                  ch01_paged_attention.EXERCISES, challenges_pool.EXERCISES_01,
+                  ch02_copy_on_write.EXERCISES, challenges_pool.EXERCISES_02,
+                  ch03_scheduling.EXERCISES, challenges.EXERCISES_03,
+                  ch04_chunked_prefill.EXERCISES, challenges.EXERCISES_04,
+                  ch05_prefix_caching.EXERCISES,
+                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES, challenges.EXERCISES_06,
+                  ch08_kv_precision.EXERCISES)
+    for ex in group
+}
+
+
+def _get(name: str) -> Exercise:
+    try:
+        return EXERCISES[name]
+    except KeyError:
+        raise KeyError(f"no exercise {name!r}; the exercises are {sorted(EXERCISES)}") from None
+
+
+def check(name: str, impl, *, real_model: bool = True) -> CheckResult:
+    """Run exercise `name`'s checks on your function or class; returns a printable result,
+    truthy only when every check passed. `real_model=False` skips the real-model run."""
+    return _get(name).check(impl, real_model=real_model)
+
+
+def hint(name: str) -> None:
+    """Print a hint for exercise `name`."""
+    print(_get(name).hint)
+
+
+def compare(name: str, impl) -> Comparison:
+    """Your code beside kvlab's chapter-sized answer, after you tried: every fast case run on
+    yours (each failure named), both sources, and what kvlab's full engine adds, and where."""
+    from kvlab.workbook.exercises._compare import compare as _compare
+
+    return _compare(_get(name), impl)
+
+
+def solution(name: str) -> None:
+    """Print kvlab's answer (with the imports it needs): paste it into a cell and it runs."""
+    print(_get(name).solution_source())
+
+
+def stub(name: str) -> str:
+    """The source you start from (what the notebook's 'your turn' cell holds)."""
+    return _get(name).stub
+
+
+def by_chapter(chapter: str) -> list[Exercise]:
+    """The exercises of one notebook, by its file stem ("03_continuous_batching")."""
+    return [ex for ex in EXERCISES.values() if ex.chapter == chapter]
+
+
+__all__ = ["EXERCISES", "Exercise", "Case", "CheckResult", "Comparison", "IdPool", "Mismatch",
+           "RequestView", "check", "compare", "hint", "solution", "stub", "by_chapter"]

@@ -1,0 +1,347 @@
+"""Chapter 03 exercise: one scheduling step of continuous batching, with preemption.
+
+What it teaches, in the order the scheduler decides: running requests first, oldest first (they
+hold KV already, and a decode token is the cheapest progress there is); when one needs a block
+and none is free, the newest running request is preempted (recompute: its blocks come back now,
+it starts over later), until the request fits or is itself the one preempted. Then waiting
+requests in arrival order, whole prompts (chunked prefill is chapter 04), while seats
+(max_num_seqs), the token budget (max_num_batched_tokens) and free blocks allow; the first that
+does not fit stops admission (nobody overtakes), and after a preemption nobody is admitted.
+
+Checked against kvlab's own `Scheduler.schedule()` on hand-made and random states, then as the
+scheduler of a real engine whose pool forces preemptions: the same decision every step, the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvlab.config import EngineConfig
+from kvlab.workbook.exercises import _real_engine
+from kvlab.workbook.exercises._common import Case, Exercise, Mismatch, RequestView, cdiv, short
+from kvlab.kv_cache import KVCacheManager
+from kvlab.metrics import RequestMetrics
+from kvlab.request import Request, RequestStatus
+from kvlab.sampling import SamplingParams
+from kvlab.scheduler import Scheduler, SchedulerOutput
+
+
+def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                  max_num_batched_tokens):
+    """One step's decision: ([(request_id, num_new_tokens), ...], [preempted request_id, ...])."""
+    scheduled, preempted = [], []
+    budget = max_num_batched_tokens
+    free = num_free_blocks
+    running = list(running)  # our copy: preempting pops from its end
+
+    # 1. Running requests, oldest first. Each decodes one token, at position
+    #    num_computed_tokens; it needs a new block when its blocks are full.
+    i = 0
+    while i < len(running) and budget > 0:
+        request = running[i]
+        need = (request.num_computed_tokens + 1 + block_size - 1) // block_size - request.num_blocks
+        # Out of blocks: the newest running request gives way (recompute: its blocks come back
+        # now, it starts over later), until this one fits or was itself the newest.
+        while need > free and request in running:
+            victim = running.pop()
+            preempted.append(victim.request_id)
+            free += victim.num_blocks
+        if request not in running:
+            break  # it preempted itself; everyone after it had gone already
+        free -= need
+        budget -= 1
+        scheduled.append((request.request_id, 1))
+        i += 1
+
+    # 2. Memory is short if someone was just preempted: admit nobody this step.
+    if preempted:
+        return scheduled, preempted
+
+    # 3. Waiting requests in arrival order, whole prompts, while seats, budget and blocks last.
+    seats = len(running)
+    for request in waiting:
+        num_new = request.num_tokens
+        need = (num_new + block_size - 1) // block_size
+        if seats >= max_num_seqs or num_new > budget or need > free:
+            break  # first come, first served: nobody overtakes the head of the queue
+        scheduled.append((request.request_id, num_new))
+        seats += 1
+        budget -= num_new
+        free -= need
+    return scheduled, preempted
+
+
+STUB = '''def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                  max_num_batched_tokens):
+    """Decide one step. Requests have .request_id, .num_tokens, .num_computed_tokens and
+    .num_blocks (blocks held). A scheduled request computes num_tokens - num_computed_tokens
+    new tokens: 1 for a running request (they are all decoding here), the whole prompt for a
+    waiting one (no chunking until chapter 04), and must hold enough blocks for
+    num_computed_tokens + those new tokens. max_num_batched_tokens is the step's token budget:
+    every token scheduled spends it, a decode's too. max_num_seqs: how many may be running
+    after the step (a running request the budget leaves out this step keeps its seat).
+
+    running is oldest first (its last element is the newest); waiting in arrival order.
+    Running requests first; if blocks run out, preempt the newest running request (its blocks
+    become free) until the request fits or was itself preempted. Then, only if nobody was
+    preempted, admit waiting requests in order; stop at the first that does not fit. What
+    happens to a running request when the budget is already spent? Return
+    (scheduled, preempted): [(request_id, num_new_tokens), ...] and [request_id, ...] in the
+    order preempted. Example: running [a], waiting [b (5 tokens)], plenty of room ->
+    ([("a", 1), ("b", 5)], []).
+    """
+    raise NotImplementedError("your turn")
+'''
+
+
+# ---- kvlab's own scheduler as the oracle (shared with chapter 04) -----------------------------
+def _request(view: RequestView) -> Request:
+    return Request(view.request_id, None, [0] * view.num_tokens, SamplingParams(), frozenset(),
+                   RequestMetrics(arrival_time=0.0), num_computed_tokens=view.num_computed_tokens)
+
+
+def kvlab_schedule(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                   max_num_batched_tokens, enable_chunked_prefill):
+    """What kvlab's Scheduler.schedule() decides in this state: ({id: tokens}, [preempted])."""
+    held = sum(v.num_blocks for v in running)
+    manager = KVCacheManager(max(1, held + num_free_blocks), block_size)
+    if held + num_free_blocks == 0:
+        manager.block_pool.get_new_blocks(1)  # the pool must have a block; hold it
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_chunked_prefill=enable_chunked_prefill)
+    scheduler = Scheduler(config, manager)
+    for view in running:
+        request = _request(view)
+        request.status = RequestStatus.RUNNING
+        if view.num_blocks:
+            manager.allocate_slots(view.request_id, view.num_blocks * block_size)
+        scheduler.running.append(request)
+    for view in waiting:
+        scheduler.waiting.append(_request(view))
+    out = scheduler.schedule()
+    return {r.request_id: n for r, n in out.scheduled}, [r.request_id for r in out.preempted]
+
+
+def _parse(decision):
+    try:
+        scheduled, preempted = decision
+        if isinstance(scheduled, dict):  # {request_id: num_new_tokens} is fine too
+            scheduled = scheduled.items()
+        scheduled = {str(rid): n for rid, n in scheduled}
+        preempted = [str(rid) for rid in preempted]
+    except (TypeError, ValueError):
+        raise Mismatch("(scheduled, preempted): ([(request_id, num_new_tokens), ...], "
+                       "[request_id, ...])", short(decision)) from None
+    return scheduled, preempted
+
+
+def _describe(running, waiting, free, block_size, seats, budget) -> str:
+    def one(v):
+        return f"{v.request_id}({v.num_computed_tokens}/{v.num_tokens} tok, {v.num_blocks} blk)"
+    return (f"running {[one(v) for v in running]}, waiting "
+            f"{[f'{v.request_id}({v.num_tokens} tok)' for v in waiting]}, {free} free blocks, "
+            f"block_size {block_size}, max_num_seqs {seats}, budget {budget}")
+
+
+def _compare(impl, running, waiting, free, block_size, seats, budget) -> None:
+    want = kvlab_schedule(running, waiting, free, block_size, seats, budget, False)
+    got = _parse(impl(list(running), list(waiting), free, block_size, seats, budget))
+    if got != want:
+        what = "scheduled" if got[0] != want[0] else "preempted"
+        k = 0 if what == "scheduled" else 1
+        raise Mismatch(f"{what} {want[k]}", f"{got[k]}",
+                       _describe(running, waiting, free, block_size, seats, budget))
+
+
+def _decode(rid: str, num_computed: int, block_size: int) -> RequestView:
+    """A running request about to decode: its blocks cover its computed tokens."""
+    return RequestView(rid, num_computed + 1, num_computed, cdiv(num_computed, block_size))
+
+
+def _prompt(rid: str, n: int) -> RequestView:
+    return RequestView(rid, n)
+
+
+def _scene(running, waiting, free, block_size=4, seats=8, budget=64):
+    return lambda impl: _compare(impl, running, waiting, free, block_size, seats, budget)
+
+
+def _random(impl) -> None:
+    rng = random.Random(4)
+    for _ in range(400):
+        block_size = rng.choice([1, 2, 4, 16])
+        running = [_decode(f"r{j}", rng.randint(1, 40), block_size)
+                   for j in range(rng.randint(0, 6))]
+        waiting = [_prompt(f"w{j}", rng.randint(1, 40)) for j in range(rng.randint(0, 5))]
+        free = rng.randint(0 if running else 1, 12)
+        seats = rng.randint(max(1, len(running)), len(running) + 4)
+        _compare(impl, running, waiting, free, block_size, seats, rng.randint(1, 64))
+
+
+class _ParticipantScheduler(Scheduler):
+    """kvlab's Scheduler whose decisions come from the participant's function; kvlab applies
+    them (preempt, allocate, admit) and refuses impossible ones."""
+
+    impl = None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(fork_copies=self.kv_cache_manager.take_fork_copies())
+        kv = self.kv_cache_manager
+        self.num_steps = getattr(self, "num_steps", 0) + 1
+        step = self.num_steps
+
+        def view(r):
+            return RequestView(r.request_id, r.num_tokens, r.num_computed_tokens,
+                               len(kv.get_block_ids(r.request_id)))
+
+        scheduled, preempted = _parse(self.impl(
+            [view(r) for r in self.running], [view(r) for r in self.waiting],
+            kv.block_pool.get_num_free_blocks(), kv.block_size, self.config.max_num_seqs,
+            self.config.max_num_batched_tokens))
+        by_id = {r.request_id: r for r in [*self.running, *self.waiting]}
+        for rid in preempted:
+            request = by_id.get(rid)
+            if request not in self.running:
+                raise Mismatch("preempted requests to be running ones", f"{rid!r}")
+            self.running.remove(request)
+            self._preempt(request, out)
+        budget = self.config.max_num_batched_tokens
+        for request in [*self.running, *self.waiting]:
+            if request.request_id not in scheduled:
+                continue
+            n = scheduled.pop(request.request_id)
+            want = request.num_tokens - request.num_computed_tokens
+            if n != want:
+                raise Mismatch(f"step {step}: {request.request_id} to get {want} new tokens",
+                               f"{short(n)}")
+            if not kv.allocate_slots(request.request_id, request.num_computed_tokens + n,
+                                     request.num_computed_tokens, request=request):
+                raise Mismatch(f"step {step}: {request.request_id} scheduled only if its "
+                               "blocks fit",
+                               f"no free block for it ({kv.block_pool.get_num_free_blocks()} "
+                               "free)")
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.waiting.remove(request)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+            out.scheduled.append((request, n))
+            budget -= n
+        if scheduled:
+            raise Mismatch("request ids of running or waiting requests", short(list(scheduled)))
+        if budget < 0 or len(self.running) > self.config.max_num_seqs:
+            raise Mismatch("a step within the budget and the seats",
+                           f"{self.config.max_num_batched_tokens - budget} tokens, "
+                           f"{len(self.running)} running")
+        self.finish_output(out)
+        return out
+
+
+# 12 blocks of 4 tokens for five requests of about 20 tokens, three seats: admission waits for
+# seats and blocks, and running requests are preempted when they grow into the last blocks.
+_ENGINE = dict(block_size=4, max_model_len=48, kv_cache_tokens=48, max_num_seqs=3,
+               enable_chunked_prefill=False, max_num_batched_tokens=48)
+
+
+def _batches():
+    prompts = _real_engine.prompt_ids([6, 13, 8, 11, 9])
+    return [[(f"r{i}", {"prompt_token_ids": p}, _real_engine.GREEDY) for i, p in enumerate(prompts)]]
+
+
+def _real_model(impl) -> None:
+    expected = _real_engine.reference_workload(
+        "schedule", _ENGINE, _batches,
+        lambda engine, _run: engine.scheduler.num_preemptions > 0,
+        "the workload no longer preempts")
+    engine, got = _real_engine.run_with(_ENGINE, _batches, lambda engine: (
+        _real_engine.install_scheduler(engine, _ParticipantScheduler, impl=impl)))
+    _real_engine.compare_traces(expected, got, "yours")
+    _real_engine.compare_tokens(expected, got, "your scheduler")
+    _real_engine.check_bookkeeping(engine)
+
+
+def _d(rid, n, bs=4):
+    return _decode(rid, n, bs)
+
+
+EXERCISE = Exercise(
+    name="schedule",
+    chapter="03_continuous_batching",
+    title="One scheduling step",
+    prompt=(
+        "Write the scheduler's decision for one step. Running requests decode first, oldest "
+        "first; when one needs a block and none is free, preempt the newest running request "
+        "until it fits. Then, if nobody was preempted, admit waiting requests in arrival order "
+        "while seats, the token budget and free blocks allow. The check compares your decisions "
+        "with kvlab's scheduler, then lets yours drive a real engine."
+    ),
+    full_version=(
+        "kvlab's Scheduler.schedule (kvlab/scheduler.py) follows vLLM's shape: one token budget "
+        "for prefills and decodes alike, so a prompt can be cut into chunks (chapter 04); waiting"
+        " requests start with their prefix-cache hits (chapter 05); admission can require the "
+        "whole prompt to fit (scheduler_reserve_full_isl, chapter 04); a preempted request goes "
+        "back to the head of the waiting queue as PREEMPTED; forks and beams take seats as a "
+        "group (chapter 02, kvlab/group_scheduler.py). It returns a SchedulerOutput (the step's "
+        "tokens per request and block tables) that the model runner reads."
+    ),
+    stub=STUB,
+    hint=(
+        "Keep three running totals: free blocks, budget, seats. A decode needs "
+        "ceil((num_computed_tokens + 1) / block_size) - num_blocks new blocks (0 or 1). To "
+        "preempt, pop the last running request and add its num_blocks to the free count; if "
+        "you popped the request you were scheduling, stop. Admission stops at the first waiting "
+        "request that does not fit."
+    ),
+    solution=schedule_step,
+    cases=[
+        Case("running requests decode, waiting ones are admitted",
+             _scene([_d("a", 5)], [_prompt("b", 5)], free=4),
+             "Each running request gets 1 token; a waiting one gets its whole prompt."),
+        Case("decodes come first when the budget is short",
+             _scene([_d("a", 5), _d("b", 6)], [_prompt("c", 3)], free=4, budget=2),
+             "Running requests are scheduled before any waiting one is considered."),
+        Case("the budget also limits decodes", _scene([_d("a", 5), _d("b", 6), _d("c", 7)], [],
+                                                      free=4, budget=2),
+             "Stop when the budget is spent: the third decode waits for the next step."),
+        Case("a prompt that exactly fills the budget is admitted",
+             _scene([_d("a", 5)], [_prompt("b", 7)], free=4, budget=8),
+             "num_new_tokens <= budget left."),
+        Case("first come, first served: a waiting prompt that does not fit stops admission",
+             _scene([], [_prompt("a", 9), _prompt("b", 2)], free=8, budget=8),
+             "Nobody overtakes the head of the queue, even one that would fit."),
+        Case("seats: at most max_num_seqs running", _scene(
+            [_d("a", 5)], [_prompt("b", 3), _prompt("c", 3), _prompt("d", 3)], free=8, seats=3),
+             "Running requests hold seats too: 1 running + 2 admitted = 3."),
+        Case("a prompt needs all its blocks free", _scene(
+            [], [_prompt("a", 9), _prompt("b", 1)], free=2),
+             "9 tokens in blocks of 4 need 3 blocks; with 2 free it waits (and so does b)."),
+        Case("a prompt that needs exactly the free blocks is admitted",
+             _scene([], [_prompt("a", 8)], free=2), "needed <= free."),
+        Case("a decode that fills its last slot needs no new block",
+             _scene([_d("a", 6), _d("b", 7)], [], free=0),
+             "Positions 6 and 7 are still in block 1: no block needed."),
+        Case("a decode at a block boundary takes the last free block",
+             _scene([_d("a", 8), _d("b", 6)], [], free=1),
+             "Position 8 starts block 2: one new block, and exactly one is free."),
+        Case("out of blocks: the newest running request is preempted",
+             _scene([_d("a", 8), _d("b", 4), _d("c", 3)], [], free=1),
+             "a takes the free block; b needs one: preempt c (the newest), whose block frees."),
+        Case("a request that is itself the newest preempts itself",
+             _scene([_d("a", 8), _d("b", 8)], [], free=1),
+             "b needs a block and is the last running request: it is the one preempted."),
+        Case("several preemptions, newest first", _scene(
+            [_d("a", 8), _d("b", 4), _d("c", 3), _d("d", 2)], [], free=0),
+             "a needs a block: preempt d, the newest. Then b needs one: preempt c. List them in "
+             "the order they were preempted."),
+        Case("after a preemption nobody is admitted",
+             _scene([_d("a", 8), _d("b", 9)], [_prompt("w", 1)], free=0),
+             "Preempting b left 2 blocks free, and w would fit; but memory is short, and "
+             "admitting now would only cause more preemption. A step that preempts admits "
+             "nobody."),
+        Case("400 random states, compared with kvlab's Scheduler", _random),
+        Case("real model: your decisions drive the engine, same steps and tokens as kvlab",
+             _real_model, real_model=True),
+    ],
+)
+EXERCISES = [EXERCISE]

@@ -1,0 +1,39 @@
+"""Pure functions that return matplotlib figures or text. Widgets (widgets.py) only call these.
+
+Nothing here touches an engine's state: callers pass in numbers or snapshots, so every figure can
+be drawn in a test without a browser. Each chapter's figures sit where that chapter would look:
+
+- `axes`: what they all share (byte sizes, request colours, log axes in plain numbers);
+- `memory`: chapters 00-02 (KV bytes, the pool as a grid, the allocator simulation, shared blocks);
+- `scheduling`: chapters 03-04 (requests over steps, concurrency, capacity, prefill stalls);
+- `prefix`: chapters 05-06 (hash chains, cold and warm TTFT, the free queue, the timing attack);
+- `bench`: chapter 07 and the benchmarks (peers, the roofline sweep, the API run);
+- `explorer`: the engine explorer's picture of one snapshot.
+
+`kvlab.workbook.viz.plot_gantt` and the rest are importable from here, as the chapters call them.
+"""
+
+from kvlab.workbook.viz.axes import GIB, format_bytes, log_axis
+from kvlab.workbook.viz.bench import plot_api_run, plot_peers, plot_roofline_sweep, plot_serve_peers
+from kvlab.workbook.viz.snapshot import (COPY_EDGE, DECODE_COLOUR, MAX_EVENTS_DRAWN, PREFILL_COLOUR,
+                                SHARED_COLOUR, draw_snapshot, format_queues)
+from kvlab.workbook.viz.memory import (block_size_summary, draw_memory_map, format_block_tables,
+                              plot_block_size_tradeoff, plot_blocks_per_step, plot_cow_savings,
+                              plot_kv_memory, plot_no_cache, plot_parallel_sampling, plot_sim)
+from kvlab.workbook.viz.prefix import (draw_free_queue, format_hash_chain, free_queue_snapshot,
+                              plot_cold_warm_ttft, plot_prefix_hits, plot_ttft_attack)
+from kvlab.workbook.viz.scheduling import (plot_capacity, plot_concurrency, plot_gantt, plot_gap_vs_budget,
+                                  plot_stall)
+
+__all__ = [
+    "GIB", "format_bytes", "log_axis",
+    "plot_api_run", "plot_peers", "plot_roofline_sweep", "plot_serve_peers",
+    "COPY_EDGE", "DECODE_COLOUR", "MAX_EVENTS_DRAWN", "PREFILL_COLOUR", "SHARED_COLOUR",
+    "draw_snapshot", "format_queues",
+    "block_size_summary", "draw_memory_map", "format_block_tables", "plot_block_size_tradeoff",
+    "plot_blocks_per_step", "plot_cow_savings", "plot_kv_memory", "plot_no_cache",
+    "plot_parallel_sampling", "plot_sim",
+    "draw_free_queue", "format_hash_chain", "free_queue_snapshot", "plot_cold_warm_ttft",
+    "plot_prefix_hits", "plot_ttft_attack",
+    "plot_capacity", "plot_concurrency", "plot_gantt", "plot_gap_vs_budget", "plot_stall",
+]

@@ -1,0 +1,217 @@
+"""The engine explorer's picture (kvlab.workbook.explorer, kvlab.workbook.widgets): pure functions of a snapshot."""
+
+from __future__ import annotations
+
+import textwrap
+
+import matplotlib.pyplot as plt
+from matplotlib.legend_handler import HandlerTuple
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.transforms import offset_copy
+
+from kvlab.workbook.explorer import CACHED, EngineSnapshot, FREE, HELD, SHARED
+from kvlab.workbook.viz.axes import _colour
+from kvlab.workbook.viz.memory import format_block_tables
+
+
+SHARED_COLOUR = "#37474f"  # a shared block belongs to several requests: no one request's colour
+# The budget bar's: black, and white hatched black, so that no request's colour (axes._colour)
+# is read as decode or prefill.
+DECODE_COLOUR, PREFILL_COLOUR = "black", "white"
+COPY_EDGE = "magenta"  # a copied block's edge: no request colour (axes._colour) is magenta
+MAX_EVENTS_DRAWN = 12
+
+
+def format_queues(snap: EngineSnapshot) -> str:
+    """The queues as text, one line each: the explorer's widget shows it under its buttons, and
+    the picture repeats it."""
+
+    def describe(rid: str) -> str:
+        r = snap.requests[rid]
+        mark = " (preempted)" if r.status == "preempted" else ""
+        return (f"{rid}{mark} [{r.num_computed_tokens}/"
+                f"{r.num_prompt_tokens + r.num_output_tokens} tokens in KV, "
+                f"{r.num_output_tokens}/{r.max_tokens} out]")
+
+    running = ", ".join(describe(r) for r in snap.running) or "-"
+    waiting = ", ".join(describe(r) for r in snap.waiting) or "-"
+    return (f"step {snap.step}\n"
+            f"running ({len(snap.running)}): {running}\n"
+            f"waiting ({len(snap.waiting)}): {waiting}")
+
+
+def _block_colour(snap: EngineSnapshot, owner: str):
+    return _colour(snap.colours.get(owner, 0))
+
+
+def _ink_on(fill) -> str:
+    """Text colour readable on `fill` (an RGB(A) tuple): white on a dark colour, dark grey on a
+    light one (relative luminance, ITU-R BT.709 weights)."""
+    r, g, b = fill[:3]
+    return "white" if 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.5 else "0.25"
+
+
+def _text_lines(ax, x: float, lines: list[tuple[str, object]]) -> None:
+    """Monospace lines from the top of `ax`, each in its own colour, 11 points apart (8-point
+    type: read from the back of a room)."""
+    for i, (line, colour) in enumerate(lines):
+        ax.text(x, 1, line, va="top", family="monospace", fontsize=8, color=colour,
+                transform=offset_copy(ax.transAxes, fig=ax.figure, y=-11 * i, units="points"))
+
+
+def _legend_entries(snap: EngineSnapshot) -> tuple[list, list[str]]:
+    """The pool legend's swatches and labels."""
+    # The legend names what is on screen: free and held always, the states of later chapters
+    # (cached, shared, copied, keyed) only once a block is in them, so chapter 01's explorer
+    # does not list chapter 05's.
+    present = {b.state for b in snap.blocks}
+    # Each swatch is drawn as its blocks are: "held" half solid (K/V written), half hatched.
+    grey = (0.4, 0.4, 0.4)
+    states = [Patch(fc="white", ec="0.75"),
+              (Patch(fc=grey, ec="none"), Patch(fc=(*grey, 0.3), ec="none", hatch="////"))]
+    labels = ["free", "held by a request (solid: K/V written)"]
+    if CACHED in present:
+        states.append(Patch(fc="0.88", ec="0.4", ls=":", hatch=".."))
+        labels.append("cached, free (evictable)")
+    if SHARED in present:
+        states.append(Patch(fc=SHARED_COLOUR))
+        labels.append("shared (xN: ref count)")
+    if any(b.just_copied for b in snap.blocks):
+        states.append(Patch(fc="white", ec=COPY_EDGE, lw=2))
+        labels.append("just copied (copy-on-write)")
+    if any(b.key is not None for b in snap.blocks):
+        states.append(Line2D([], [], marker="o", ls="none", color="black", ms=4))
+        labels.append("dot: has a prefix-cache key")
+    return states, labels
+
+
+def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
+    """The snapshot as one figure: the pool as a grid of blocks, the step's token budget as a
+    bar, then the queues, the block tables (each in its request's colour) and the step's
+    events. Reads only `snap`.
+
+    Blocks: white = free; grey, dotted = cached but free (a later request can still hit it; it
+    is evicted when it reaches the free queue's head); a request's colour = held (solid part:
+    slots holding K/V; pale part: taken, not yet written); dark with "xN" = shared by N block
+    tables; a magenta edge = written by a copy in the last step (copy-on-write). A dot in the
+    corner: the block has a prefix-cache key. Small grey numbers are block ids.
+    """
+    n = len(snap.blocks)
+    columns = 16 if n <= 64 else 32
+    small = columns == 16
+    rows = -(-n // columns)
+
+    black = "black"
+    left = [("a [k/n tokens in KV, i/m out]: K/V written for k of request a's n tokens;", "0.35"),
+            ("    i of its m new tokens made", "0.35")]
+    left += [(line, black) for q in format_queues(snap).splitlines()
+            for line in textwrap.wrap(q, 84, subsequent_indent="    ")]
+    left += [("", black), ("block tables (logical -> physical block):", black)]
+    refs = [b.ref_cnt for b in snap.blocks]
+    for rid, table in snap.block_tables.items():
+        left.append((format_block_tables({rid: table}, max_entries=16, ref_cnts=refs),
+                     _block_colour(snap, rid)))
+    if not snap.block_tables:
+        left.append(("(none)", black))
+    events = snap.events[-MAX_EVENTS_DRAWN:]
+    right = [("events", black)]
+    if len(snap.events) > len(events):
+        right.append((f"... {len(snap.events) - len(events)} earlier", black))
+    right += [(line, black) for e in events
+              for line in textwrap.wrap(str(e), 56, subsequent_indent="    ")]
+    if not events:
+        right.append(("(none)", black))
+
+    states, labels = _legend_entries(snap)
+    # The numbers left of the grid: each row's first block id (blocks count left to right).
+    states.append(Line2D([], [], ls="none"))
+    labels.append(f"0, {columns}, ...: the row's first block id")
+    legend_rows = -(-len(states) // 3)
+    # The strip below the grid that holds the legend, in the grid's units (a block is one):
+    # a legend row of 8.5-point type is about 0.18 inch, and a unit 0.42 or 0.27 inch.
+    strip = 0.3 + legend_rows * (0.45 if small else 0.7)
+    heights = [(rows + strip) * (0.42 if small else 0.27), 0.5,
+               0.155 * max(len(left), len(right)) + 0.1]
+    fig = plt.figure(figsize=(10, sum(heights) + 0.9))
+    grid = fig.add_gridspec(3, 1, height_ratios=heights, hspace=0.5, left=0.02, right=0.98,
+                            top=0.94, bottom=0.02)
+    ax_pool, ax_budget, ax_text = (fig.add_subplot(grid[i]) for i in range(3))
+
+    for b in snap.blocks:
+        x, y = b.block_id % columns, rows - 1 - b.block_id // columns
+        state, gid = b.state, f"block-{b.block_id}"
+        edge, lw = (COPY_EDGE, 2.5) if b.just_copied else ("0.4", 0.6)
+        if state == FREE:
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc="white", ec="0.75", lw=0.6, gid=gid))
+        elif state == CACHED:
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc="0.88", ec="0.4", lw=0.8, ls=":",
+                                        hatch="..", gid=gid))
+        elif state == SHARED:
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc=SHARED_COLOUR, ec=edge, lw=lw,
+                                        gid=gid))
+            ax_pool.text(x + 0.45, y + 0.45, f"x{b.ref_cnt}", ha="center", va="center",
+                         color="white", fontsize=7 if small else 5, fontweight="bold")
+        else:
+            c = _block_colour(snap, b.owners[0])
+            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc=(*c[:3], 0.3), ec=edge, lw=lw,
+                                        hatch="////", gid=gid))
+            ax_pool.add_patch(Rectangle((x, y), 0.9 * b.num_filled / snap.block_size, 0.9,
+                                        fc=c, ec="none"))
+        if b.key is not None:  # keyed: findable by the prefix cache
+            ax_pool.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
+                         color="white" if state == SHARED else "black")
+        if small and state != SHARED:
+            # The id sits in the block's lower left: over the solid part once a third of the
+            # block holds K/V, else over the pale part (the colour at 30% on white: light).
+            under = (_block_colour(snap, b.owners[0])
+                     if state == HELD and 3 * b.num_filled >= snap.block_size else (1, 1, 1))
+            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color=_ink_on(under))
+    for r in range(rows):
+        ax_pool.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
+                     fontsize=6, color="0.3")
+
+    ax_pool.set_xlim(-1, columns)
+    ax_pool.set_ylim(-strip, rows)  # the strip below the grid holds the legend
+    ax_pool.set_aspect("equal")
+    ax_pool.axis("off")
+    # Counts of the states on screen only (held and free always), like the legend below.
+    counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE)
+                       if s in (HELD, FREE) or snap.count(s))
+    # The precision only where it is not the model's own (chapter 08): bytes a token, blocks.
+    precision = ("" if snap.kv_cache_dtype == "auto" else
+                 f", kv_cache_dtype {snap.kv_cache_dtype}: {snap.kv_bytes_per_token:,} bytes/token"
+                 f" x {snap.block_size} a block, {len(snap.blocks)} blocks")
+    ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
+                      f"{snap.block_size}{precision}): {counts}", fontsize=9)
+    # Large enough for a projector: at most three entries a row.
+    # Right under the grid, so that no empty band separates the blocks from their key.
+    ax_pool.legend(states, labels, fontsize=8.5, loc="upper center",
+                   bbox_to_anchor=(0.5, (strip - 0.1) / (rows + strip)),
+                   ncol=min(len(states), 3), frameon=False, handlelength=1.6,
+                   borderaxespad=0.1, handler_map={tuple: HandlerTuple(ndivide=2, pad=0)})
+
+    budget, dec, pre = snap.token_budget, snap.num_decode_tokens, snap.num_prefill_tokens
+    unused = max(budget - dec - pre, 0)
+    # A used part is at least a sliver wide, so one decode token shows in a budget of 8,192.
+    sliver = 0.006 * max(budget, dec + pre, 1)
+    w_dec, w_pre = (max(n, sliver) if n else 0 for n in (dec, pre))
+    ax_budget.barh([0], [w_dec], height=0.6, color=DECODE_COLOUR, gid="budget-decode")
+    ax_budget.barh([0], [w_pre], left=[w_dec], height=0.6, color=PREFILL_COLOUR, ec="black",
+                   hatch="////", lw=0.6, gid="budget-prefill")
+    ax_budget.barh([0], [max(unused - (w_dec - dec) - (w_pre - pre), 0)], left=[w_dec + w_pre],
+                   height=0.6, color="white", ec="0.6", gid="budget-unused")
+    ax_budget.set_xlim(0, max(budget, dec + pre, 1))
+    ax_budget.set_ylim(-0.5, 0.5)
+    ax_budget.set_yticks([])
+    ax_budget.tick_params(axis="x", labelsize=7)
+    for side in ("top", "right", "left"):
+        ax_budget.spines[side].set_visible(False)
+    ax_budget.set_title(f"last step's token budget: {dec} decode (black) + {pre} prefill "
+                        f"(hatched), {unused} unused of max_num_batched_tokens={budget}",
+                        fontsize=8.5)
+
+    ax_text.axis("off")
+    _text_lines(ax_text, 0, left)
+    _text_lines(ax_text, 0.6, right)
+    return fig

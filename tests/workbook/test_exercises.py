@@ -1,0 +1,758 @@
+"""The build track's checks (kvlab.workbook.exercises): they pass kvlab's solutions and other correct
+code, they fail wrong code with a report that names the case, and they never raise."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import io
+import math
+import statistics
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.workbook import exercises
+from kvlab.workbook.exercises._report import run_check
+from kvlab.prefix_cache import hash_block_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = list(exercises.EXERCISES)
+
+
+# ---- other correct implementations, written differently ----------------------------------------
+def alt_decode_attention(q, k_cache, v_cache, seq_len, scale):
+    """Expand the KV heads with an index list, then one matmul per step."""
+    num_heads, num_kv_heads = q.shape[0], k_cache.shape[1]
+    heads = [h * num_kv_heads // num_heads for h in range(num_heads)]
+    k = k_cache[:seq_len][:, heads].transpose(0, 1)  # (Hq, L, D)
+    v = v_cache[:seq_len][:, heads].transpose(0, 1)
+    w = torch.softmax((k @ q[:, :, None])[..., 0] * scale, dim=-1)  # (Hq, L)
+    return (w[:, None, :] @ v)[:, 0, :]
+
+
+def alt_paged_attention(q, kv_layer, block_table, seq_len, scale):
+    """One head at a time, one position at a time."""
+    num_heads, _ = q.shape
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    out = []
+    for h in range(num_heads):
+        kv_head = h * num_kv_heads // num_heads
+        slots = [(block_table[p // block_size], p % block_size) for p in range(seq_len)]
+        keys = torch.stack([kv_layer[0, b, s, kv_head] for b, s in slots])  # (L, D)
+        values = torch.stack([kv_layer[1, b, s, kv_head] for b, s in slots])
+        weights = torch.softmax(keys @ q[h] * scale, dim=0)
+        out.append(weights @ values)
+    return torch.stack(out)
+
+
+class AltBlockPool:
+    """A deque and a dict instead of an OrderedDict and a list."""
+
+    def __init__(self, num_blocks):
+        self.refs = {b: 0 for b in range(num_blocks)}
+        self.queue = deque(range(num_blocks))
+
+    def get_num_free_blocks(self):
+        return len(self.queue)
+
+    def get_new_blocks(self, num_blocks):
+        if len(self.queue) < num_blocks:
+            raise ValueError("not enough free blocks")
+        out = [self.queue.popleft() for _ in range(num_blocks)]
+        for b in out:
+            self.refs[b] = 1
+        return out
+
+    def touch(self, block_ids):
+        for b in block_ids:
+            if not self.refs[b]:
+                self.queue.remove(b)
+            self.refs[b] += 1
+
+    def free_blocks(self, block_ids):
+        freed = []
+        for b in block_ids:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                freed.append(b)
+        self.queue.extendleft(reversed(freed))  # the first freed ends up at the head
+
+
+def alt_allocate_slots(block_table, num_tokens, block_size, pool):
+    missing = math.ceil(num_tokens / block_size) - len(block_table)
+    if missing <= 0:
+        return True
+    if pool.get_num_free_blocks() < missing:
+        return False
+    for b in pool.get_new_blocks(missing):
+        block_table.append(b)
+    return True
+
+
+def alt_fork(parent_table, pool):
+    child = parent_table[:]
+    for b in child:
+        pool.touch([b])
+    return child
+
+
+def alt_copy_on_write(block_table, num_computed_tokens, block_size, pool):
+    """All fresh blocks in one call, all old references dropped in one call."""
+    written = [i for i in range(len(block_table))
+               if (i + 1) * block_size > num_computed_tokens and pool.ref_cnt(block_table[i]) >= 2]
+    fresh = pool.get_new_blocks(len(written))
+    old = [block_table[i] for i in written]
+    pool.free_blocks(old)
+    for i, f in zip(written, fresh):
+        block_table[i] = f
+    return list(zip(old, fresh))
+
+
+def alt_schedule(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                 max_num_batched_tokens):
+    """A flag instead of membership tests, and a dict for the scheduled requests."""
+    alive, free, budget = list(running), num_free_blocks, max_num_batched_tokens
+    scheduled, gone = {}, []
+    k = 0
+    while k < len(alive) and budget >= 1:
+        r = alive[k]
+        need = int(r.num_computed_tokens + 1 > r.num_blocks * block_size)
+        preempted_self = False
+        while free < need:
+            victim = alive.pop()
+            gone.append(victim.request_id)
+            free += victim.num_blocks
+            if victim.request_id == r.request_id:
+                preempted_self = True
+                break
+        if preempted_self:
+            break
+        free, budget = free - need, budget - 1
+        scheduled[r.request_id] = 1
+        k += 1
+    if not gone:
+        for w in waiting:
+            blocks = -(-w.num_tokens // block_size)
+            if len(alive) == max_num_seqs or w.num_tokens > budget or blocks > free:
+                break
+            scheduled[w.request_id] = w.num_tokens
+            alive.append(w)
+            budget -= w.num_tokens
+            free -= blocks
+    return scheduled, gone
+
+
+def alt_chunked_prefill(running, waiting, max_num_batched_tokens):
+    left, out = max_num_batched_tokens, []
+    for r in list(running) + list(waiting):
+        if left == 0:
+            break
+        take = r.num_tokens - r.num_computed_tokens
+        if take > left:
+            take = left
+        out.append((r.request_id, take))
+        left -= take
+    return out  # a list of pairs is fine too
+
+
+def alt_block_hashes(token_ids, block_size, cache_salt=None):
+    keys, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = () if start or cache_salt is None else (("cache_salt", cache_salt),)
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        keys.append(parent)
+    return keys
+
+
+def alt_longest_cache_hit(block_hashes, num_tokens, block_size, cached):
+    out = []
+    for key in block_hashes[: max(0, num_tokens - 1) // block_size]:
+        if key not in cached:
+            break
+        out.append(cached[key])
+    return out
+
+
+def alt_timing_attack(ttft, cold_ttfts, warm_ttfts):
+    """The geometric middle of the two medians: a threshold on the log scale."""
+    cold = sorted(cold_ttfts)[len(cold_ttfts) // 2]
+    warm = sorted(warm_ttfts)[len(warm_ttfts) // 2]
+    return math.log(ttft) < (math.log(cold) + math.log(warm)) / 2
+
+
+def alt_max_num_seqs(kv_cache_tokens, block_size, prompt_len, output_len):
+    """Count tokens held in whole blocks, one request at a time."""
+    held, n = 0, 0
+    per_request = math.ceil((prompt_len + output_len) / block_size) * block_size
+    while held + per_request <= kv_cache_tokens:
+        held, n = held + per_request, n + 1
+    return max(n, 1)
+
+
+def alt_cache_salt_for(tenant, requested_salt):
+    """A keyed hash of the tenant alone, the requested salt ignored."""
+    import hashlib
+    import hmac
+
+    return hmac.new(b"server secret", tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def alt_rag_prompt(system, document, question):
+    return [*system, *document, *question]
+
+
+def alt_kv_pool_for(prompt_lens, output_len, block_size, max_model_len):
+    """Token by token: a request's blocks at its last step, one decode before its last token."""
+    paged = 0
+    for p in prompt_lens:
+        computed = p + output_len - 1
+        paged += (computed + block_size - 1) // block_size
+    return {"contiguous": len(prompt_lens) * math.ceil(max_model_len / block_size) * block_size,
+            "paged": paged * block_size}
+
+
+def alt_fork_pool_for(prompt_len, n, max_tokens, block_size):
+    """Blocks held at the end: the full prompt blocks once, each sample's tail (its copy of the
+    partial block included) n times; with one token nobody writes, so the prompt's blocks."""
+    if max_tokens < 2:
+        return math.ceil(prompt_len / block_size) * block_size
+    full = prompt_len // block_size
+    tail_tokens = prompt_len + max_tokens - 1 - full * block_size
+    return (full + n * math.ceil(tail_tokens / block_size)) * block_size
+
+
+def alt_choose_chunk_budget(prefill_tokens_per_s, decode_step_s, max_gap_s):
+    """The same model of a step, with a 5% safety margin, rounded down to a multiple of 16."""
+    tokens = 0.95 * (max_gap_s - decode_step_s) * prefill_tokens_per_s
+    return max(16, int(tokens) // 16 * 16)
+
+
+def alt_quantize_int8(x):
+    """The same rule written another way: multiply by 127 / absmax, round halves away."""
+    absmax = x.float().abs().max(dim=-1).values
+    scale = torch.where(absmax > 0, absmax / 127, torch.full_like(absmax, 1e-8))
+    y = x.float() / scale.unsqueeze(-1)
+    return torch.trunc(y + 0.5 * torch.sign(y)).to(torch.int8), scale
+
+
+def alt_choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+                        bytes_per_token):
+    ok = sorted((bytes_per_token[d], d) for d, kl in kl_by_dtype.items() if kl <= max_kl)
+    dtype = ok[0][1]
+    tokens = num_requests * math.ceil(request_len / block_size) * block_size
+    return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes": tokens * bytes_per_token[dtype]}
+
+
+ALTERNATIVES = {
+    "decode_attention": alt_decode_attention,
+    "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
+    "allocate_slots": alt_allocate_slots, "fork": alt_fork, "copy_on_write": alt_copy_on_write,
+    "schedule": alt_schedule, "chunked_prefill": alt_chunked_prefill,
+    "block_hashes": alt_block_hashes, "longest_cache_hit": alt_longest_cache_hit,
+    "timing_attack": alt_timing_attack,
+    "max_num_seqs": alt_max_num_seqs, "rag_layout": alt_rag_prompt,
+    "salt_scheme": alt_cache_salt_for, "kv_pool_size": alt_kv_pool_for,
+    "fork_pool_size": alt_fork_pool_for, "chunk_budget": alt_choose_chunk_budget,
+    "quantize_int8": alt_quantize_int8, "kv_precision": alt_choose_kv_cache,
+}
+
+
+# ---- the registry --------------------------------------------------------------------------------
+def test_every_chapter_00_to_06_has_an_exercise_under_its_notebook_stem():
+    stems = {p.stem for p in (ROOT / "notebooks").glob("0[0-68]_*.ipynb")}
+    assert len(stems) == 8
+    chapters = {ex.chapter for ex in exercises.EXERCISES.values()}
+    assert chapters == stems
+    for stem in stems:
+        assert exercises.by_chapter(stem)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exercise_record_is_complete(name):
+    ex = exercises.EXERCISES[name]
+    assert ex.name == name and ex.title and ex.hint and ex.cases
+    assert ex.check is not None
+    assert 2 <= ex.prompt.count(". ") + 1 <= 4, ex.prompt
+    # A top-level function or class: its source is what solution() prints.
+    assert inspect.isfunction(ex.solution) or inspect.isclass(ex.solution)
+    assert ex.solution.__qualname__ == ex.solution.__name__
+    assert 'raise NotImplementedError("your turn")' in ex.stub
+    assert f"def {ex.entry_point}(" in ex.stub or f"class {ex.entry_point}" in ex.stub
+    assert any(c.real_model for c in ex.cases)
+    assert set(ALTERNATIVES) == set(NAMES)
+
+
+# The reasons a real-model timing case gives when this machine's pace made it unjudgeable
+# (kvlab/workbook/exercises: ch06_cache_salt and challenges raise Skip with them).
+MACHINE_BUSY = ("timings were too noisy", "the machine was busy", "speed changed during the check")
+
+
+# ---- solutions, stubs, pasted solutions ------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_passes_the_fast_cases(name):
+    result = exercises.check(name, exercises.EXERCISES[name].solution, real_model=False)
+    assert result, str(result)
+    assert result.failed is None and not result.not_done and result.skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_solution_passes_on_the_real_model(name):
+    result = exercises.check(name, exercises.EXERCISES[name].solution)
+    assert result, str(result)
+    # A timing case may say the machine was too busy to judge (another job on a shared CI
+    # machine): that is the check's honest answer, not a wrong one. Any other skip is a bug.
+    assert all(any(why in s for why in MACHINE_BUSY) for s in result.skipped), str(result)
+    assert result.skipped or "all" in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_stub_is_not_done_yet_and_check_does_not_raise(name):
+    ex = exercises.EXERCISES[name]
+    namespace: dict = {}
+    exec(compile(ex.stub, f"<stub {name}>", "exec"), namespace)
+    result = exercises.check(name, namespace[ex.entry_point])
+    assert not result and result.not_done and result.failed is None
+    assert "not done yet" in str(result) and "Traceback" not in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pasting_the_printed_solution_gives_code_that_passes(name):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exercises.solution(name)
+    namespace: dict = {}
+    exec(compile(out.getvalue(), f"<pasted {name}>", "exec"), namespace)
+    result = exercises.check(name, namespace[exercises.EXERCISES[name].entry_point],
+                             real_model=False)
+    assert result, str(result)
+
+
+def test_hint_prints_and_unknown_names_say_which_exist(capsys):
+    exercises.hint("block_pool")
+    assert "OrderedDict" in capsys.readouterr().out
+    with pytest.raises(KeyError, match="block_pool"):
+        exercises.check("no_such_exercise", print)
+
+
+# ---- other correct code passes -------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_another_correct_implementation_passes(name):
+    result = exercises.check(name, ALTERNATIVES[name], real_model=False)
+    assert result, str(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_another_correct_implementation_passes_on_the_real_model(name):
+    result = exercises.check(name, ALTERNATIVES[name])
+    assert result, str(result)
+
+
+# ---- wrong code fails, with the case named and a hint ----------------------------------------
+class FreedToTheTail(AltBlockPool):
+    def free_blocks(self, block_ids):
+        for b in block_ids:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.queue.append(b)  # the order before vLLM 0.33.0: every freed block last
+
+
+class FreedToTheHeadReversed(AltBlockPool):
+    def free_blocks(self, block_ids):
+        for b in block_ids:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.queue.appendleft(b)  # the head, but the last given ends up first
+
+
+class TouchKeepsFreeBlocksQueued(AltBlockPool):
+    def touch(self, block_ids):
+        for b in block_ids:
+            self.refs[b] += 1  # the statement that takes a free block out of the queue: dropped
+
+
+def off_by_one_allocate(block_table, num_tokens, block_size, pool):
+    missing = num_tokens // block_size + 1 - len(block_table)  # 8 tokens -> 3 blocks
+    return alt_allocate_slots(block_table, max(0, missing) * block_size, block_size, pool)
+
+
+def strict_free_check_allocate(block_table, num_tokens, block_size, pool):
+    missing = max(0, -(-num_tokens // block_size) - len(block_table))
+    if missing >= pool.get_num_free_blocks() and missing:  # >= where > is right
+        return False
+    block_table.extend(pool.get_new_blocks(missing))
+    return True
+
+
+def fork_same_list(parent_table, pool):
+    pool.touch(parent_table)
+    return parent_table
+
+
+def cow_in_place(block_table, num_computed_tokens, block_size, pool):
+    return []  # writes into shared blocks
+
+
+def _without(solution, line: str):
+    """kvlab's solution with one statement (and its block) dropped."""
+    source = inspect.getsource(solution)
+    assert line in source
+    lines = source.splitlines()
+    start = next(i for i, text in enumerate(lines) if line in text)
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip()
+                                or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    namespace: dict = {}
+    exec("\n".join(lines[:start] + lines[end:]), namespace)
+    return namespace[solution.__name__]
+
+
+schedule_admits_after_preemption = _without(exercises.EXERCISES["schedule"].solution,
+                                            "if preempted:")
+
+
+def budget_counted_twice(running, waiting, max_num_batched_tokens):
+    left, out = max_num_batched_tokens, {}
+    for r in [*running, *waiting]:
+        take = min(r.num_tokens - r.num_computed_tokens, left)
+        if take > 0:
+            out[r.request_id] = take
+            left -= 2 * take
+            left = max(left, 0)
+    return out
+
+
+def hashes_not_chained(token_ids, block_size, cache_salt=None):
+    n = len(token_ids) // block_size
+    return [hash_block_tokens(None, token_ids[i * block_size:(i + 1) * block_size],
+                              (("cache_salt", cache_salt),) if i == 0 and cache_salt else ())
+            for i in range(n)]
+
+
+def salt_in_every_block(token_ids, block_size, cache_salt=None):
+    keys = []
+    for i in range(len(token_ids) // block_size):
+        extra = (("cache_salt", cache_salt),) if cache_salt is not None else ()
+        keys.append(hash_block_tokens(keys[-1] if keys else None,
+                                      token_ids[i * block_size:(i + 1) * block_size], extra))
+    return keys
+
+
+def hit_includes_last_token(block_hashes, num_tokens, block_size, cached):
+    out = []
+    for key in block_hashes[: num_tokens // block_size]:
+        if cached.get(key) is None:
+            break
+        out.append(cached[key])
+    return out
+
+
+def hit_falsy_block_zero(block_hashes, num_tokens, block_size, cached):
+    out = []
+    for key in block_hashes[: (num_tokens - 1) // block_size]:
+        if not cached.get(key):
+            break
+        out.append(cached[key])
+    return out
+
+
+def mean_threshold(ttft, cold_ttfts, warm_ttfts):
+    return ttft < (statistics.mean(cold_ttfts) + statistics.mean(warm_ttfts)) / 2
+
+
+def decode_gqa_modulo(q, k_cache, v_cache, seq_len, scale):
+    heads = [h % k_cache.shape[1] for h in range(q.shape[0])]  # should be h // group
+    k, v = k_cache[:seq_len][:, heads], v_cache[:seq_len][:, heads]
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", w, v)
+
+
+def decode_whole_region(q, k_cache, v_cache, seq_len, scale):
+    return alt_decode_attention(q, k_cache, v_cache, k_cache.shape[0], scale)
+
+
+def attention_gqa_modulo(q, kv_layer, block_table, seq_len, scale):
+    num_heads, num_kv_heads = q.shape[0], kv_layer.shape[3]
+    k = kv_layer[0][block_table].flatten(0, 1)[:seq_len]  # (L, Hkv, D)
+    v = kv_layer[1][block_table].flatten(0, 1)[:seq_len]
+    heads = [h % num_kv_heads for h in range(num_heads)]  # should be h // group
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, k[:, heads]) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", w, v[:, heads])
+
+
+def attention_whole_blocks(q, kv_layer, block_table, seq_len, scale):
+    return alt_paged_attention(q, kv_layer, block_table,
+                               len(block_table) * kv_layer.shape[2], scale)
+
+
+def int8_per_tensor(x):
+    scale = (x.abs().max() / 127).clamp_min(1e-6)
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale.expand(x.shape[:-1]).clone()
+
+
+def int8_per_vector(divisor):
+    def quantize(x):
+        scale = (x.abs().amax(-1) / divisor).clamp_min(1e-6)
+        return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+    return quantize
+
+
+def int8_truncating(x):
+    scale = (x.abs().amax(-1) / 127).clamp_min(1e-6)
+    return (x / scale[..., None]).to(torch.int8), scale  # the cast rounds toward zero
+
+
+def int8_no_floor(x):
+    scale = x.abs().amax(-1) / 127
+    return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def kv_densest(num_requests, request_len, block_size, max_kl, kl_by_dtype, bytes_per_token):
+    dtype = min(bytes_per_token, key=bytes_per_token.get)  # ignores the accuracy bound
+    return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes":
+            num_requests * math.ceil(request_len / block_size) * block_size
+            * bytes_per_token[dtype]}
+
+
+def kv_tokens_not_blocks(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+                         bytes_per_token):
+    dtype = min((d for d in kl_by_dtype if kl_by_dtype[d] <= max_kl), key=bytes_per_token.get)
+    return {"kv_cache_dtype": dtype,
+            "kv_cache_memory_bytes": num_requests * request_len * bytes_per_token[dtype]}
+
+
+def kv_full_precision(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+                      bytes_per_token):
+    return {"kv_cache_dtype": "auto", "kv_cache_memory_bytes": num_requests
+            * math.ceil(request_len / block_size) * block_size * bytes_per_token["auto"]}
+
+
+BUGS = [
+    ("quantize_int8", int8_per_tensor, "the finest step"),
+    ("quantize_int8", int8_per_vector(100), "the finest step"),
+    ("quantize_int8", int8_per_vector(150), "within half a step"),  # clips
+    ("quantize_int8", int8_truncating, "within half a step"),
+    ("quantize_int8", int8_no_floor, "a vector of zeros"),
+    ("kv_precision", kv_densest, "five other workloads"),
+    ("kv_precision", kv_tokens_not_blocks, "five other workloads"),
+    ("kv_precision", kv_full_precision, "five other workloads"),
+    ("block_pool", FreedToTheTail, "freed blocks go back to the head"),
+    ("block_pool", FreedToTheHeadReversed, "freed blocks go back to the head"),
+    ("block_pool", TouchKeepsFreeBlocksQueued, "touching a free block"),
+    ("allocate_slots", off_by_one_allocate, "exactly two blocks' worth"),
+    ("allocate_slots", strict_free_check_allocate, "exactly as many free blocks"),
+    ("fork", fork_same_list, "a new list"),
+    ("copy_on_write", cow_in_place, "after a fork"),
+    ("schedule", schedule_admits_after_preemption, "after a preemption nobody is admitted"),
+    ("chunked_prefill", budget_counted_twice, "a long prompt takes what is left"),
+    ("block_hashes", hashes_not_chained, "chained"),
+    ("block_hashes", salt_in_every_block, "only in block 0"),
+    ("longest_cache_hit", hit_includes_last_token, "never the block holding the last token"),
+    ("longest_cache_hit", hit_falsy_block_zero, "block 0 is a real block id"),
+    ("timing_attack", mean_threshold, "outlier"),
+    ("timing_attack", lambda ttft, cold, warm: True, "a clear hit and a clear miss"),
+    ("decode_attention", decode_gqa_modulo, "grouped-query"),
+    ("decode_attention", decode_whole_region, "rows past seq_len"),
+    ("max_num_seqs", lambda kv_cache_tokens, block_size, prompt_len, output_len: 256,
+     "five other pools"),
+    ("max_num_seqs", lambda kv_cache_tokens, block_size, prompt_len, output_len:
+     kv_cache_tokens // (prompt_len + output_len), "five other pools"),  # tokens, not blocks
+    ("rag_layout", lambda system, document, question: question + document + system,
+     "cached prompt tokens"),
+    ("rag_layout", lambda system, document, question: system + question + document,
+     "cached prompt tokens"),
+    ("rag_layout", lambda system, document, question: system + question, "every token"),
+    ("salt_scheme", lambda tenant, requested_salt: requested_salt or tenant, "stolen"),
+    ("salt_scheme", lambda tenant, requested_salt: "shared", "stolen"),
+    ("salt_scheme", lambda tenant, requested_salt: "", "non-empty str"),
+    ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
+        "contiguous": len(prompt_lens) * max_model_len,
+        "paged": sum(-(-(p + output_len) // block_size) for p in prompt_lens) * block_size},
+     "four other bursts"),  # counts a K/V for the last token too
+    ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
+        "contiguous": sum(p + output_len for p in prompt_lens),
+        "paged": sum(p + output_len - 1 for p in prompt_lens)}, "four other bursts"),  # tokens
+    ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
+        "contiguous": 1536, "paged": 704}, "four other bursts"),  # this burst's numbers only
+    ("fork_pool_size", lambda prompt_len, n, max_tokens, block_size:
+     n * -(-(prompt_len + max_tokens - 1) // block_size) * block_size, "seven other prompts"),
+    ("fork_pool_size", lambda prompt_len, n, max_tokens, block_size:  # partial block shared
+     (-(-prompt_len // block_size) + n * (-(-(prompt_len + max_tokens - 1) // block_size)
+                                          - -(-prompt_len // block_size))) * block_size,
+     "seven other prompts"),
+    ("chunk_budget", lambda rate, step, target: int(rate * target), "four other machines"),
+    ("chunk_budget", lambda rate, step, target: 256, "four other machines"),
+    ("chunk_budget", lambda rate, step, target: 16, "four other machines"),
+    ("chunk_budget", lambda rate, step, target: 8, "four other machines"),
+    ("paged_attention", attention_gqa_modulo, "grouped-query"),
+    ("paged_attention", attention_whole_blocks, "partly filled"),
+]
+
+
+@pytest.mark.parametrize("name, impl, case", BUGS, ids=[f"{n}-{c}" for n, _, c in BUGS])
+def test_a_buggy_implementation_is_named_with_its_case_and_a_hint(name, impl, case):
+    result = exercises.check(name, impl)
+    assert not result and not result.not_done
+    assert case in result.failed.case, str(result)
+    report = str(result)
+    assert result.failed.case in report and "Hint:" in report and "expected" in report
+    assert "Traceback" not in report  # wrong answers are described, not raised
+
+
+def test_diagnosis_names_the_salt_mistake():
+    result = exercises.check("block_hashes", salt_in_every_block)
+    assert "salt is in every block" in str(result)
+
+
+# ---- code that raises, loops or returns garbage ----------------------------------------------
+def _helper_that_divides(x):
+    return x / 0
+
+
+def raising_attention(q, kv_layer, block_table, seq_len, scale):
+    return _helper_that_divides(seq_len)
+
+
+def test_an_exception_is_reported_with_the_participants_traceback_only():
+    result = exercises.check("paged_attention", raising_attention)
+    report = str(result)
+    assert not result and not result.not_done
+    assert "ZeroDivisionError" in report
+    assert "raising_attention" in report and "_helper_that_divides" in report
+    assert "_report.py" not in report and "ch00_attention.py" not in report
+
+
+@pytest.mark.slow
+def test_exceptions_inside_the_engine_and_system_exit_are_caught():
+    class ExitsInEngine(AltBlockPool):
+        def get_new_blocks(self, num_blocks):
+            if len(self.refs) == 12:  # only the engine's pool is this big: the fast cases pass
+                raise SystemExit("bye")
+            return super().get_new_blocks(num_blocks)
+
+    result = exercises.check("block_pool", ExitsInEngine)
+    assert not result and "SystemExit" in str(result)
+
+
+def test_an_endless_loop_fails_instead_of_hanging():
+    def spins(ttft, cold_ttfts, warm_ttfts):
+        while True:
+            pass
+
+    result = run_check(exercises.EXERCISES["timing_attack"], spins, fast_timeout_s=0.5)
+    assert not result and "endless loop" in str(result) and "spins" in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_garbage_return_values_never_raise(name):
+    ex = exercises.EXERCISES[name]
+    if inspect.isclass(ex.solution):
+        class Garbage:
+            def __init__(self, *args):
+                pass
+
+            def __getattr__(self, attr):
+                return lambda *args: "garbage"
+
+        impl = Garbage
+    else:
+        def impl(*args, **kwargs):
+            return None
+    result = exercises.check(name, impl)
+    assert not result and result.failed is not None
+
+
+def test_passing_something_that_is_not_code():
+    result = exercises.check("fork", 42)
+    assert not result and "exercises.check('fork', fork)" in str(result)
+
+
+def test_the_report_renders_as_text_and_html():
+    result = exercises.check("fork", exercises.EXERCISES["fork"].solution, real_model=False)
+    assert str(result) == repr(result)
+    assert result._repr_html_().startswith("<pre") and "fork" in result._repr_html_()
+    assert result.passed and result.passed[0] in str(result)
+
+
+# ---- the mutation script ---------------------------------------------------------------------
+def test_mutation_script_scores_an_exercise():
+    spec = importlib.util.spec_from_file_location("mutation_score",
+                                                  ROOT / "scripts" / "mutation_score.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    found = module.mutants(exercises.EXERCISES["allocate_slots"].solution)
+    kinds = {m.kind.split()[0] for m in found}
+    assert {"constant", "delete", "drop", "min"} <= kinds and any(k[0] in "<>" for k in kinds)
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()):
+        assert module.main(["allocate_slots", "fork", "--fast-only"]) == 0
+    assert "overall" in out.getvalue()
+
+
+# ---- compare: the answer after an attempt, on demand --------------------------------------------
+def _stub_entry_point(name):
+    ex = exercises.EXERCISES[name]
+    namespace: dict = {}
+    exec(compile(ex.stub, f"<stub {name}>", "exec"), namespace)
+    return namespace[ex.entry_point]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compare_of_a_right_answer_says_same_behaviour_and_shows_both(name):
+    ex = exercises.EXERCISES[name]
+    for impl in (ex.solution, ALTERNATIVES[name]):
+        got = exercises.compare(name, impl)
+        fast = [c for c in ex.cases if not c.real_model]
+        assert got.same_behaviour, got.report()
+        assert len(got.passed) + len(got.skipped) == len(fast)
+        report = got.report()
+        assert inspect.getsource(impl).strip() in report  # theirs
+        assert inspect.getsource(ex.solution).strip() in report  # kvlab's
+        assert ex.full_version and ex.full_version in report
+        assert "chapter" in ex.full_version  # it says where the rest is taught
+        html_text = got._repr_html_()
+        assert "yours" in html_text and "kvlab&#x27;s answer" in html_text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compare_before_an_attempt_shows_no_answer(name):
+    ex = exercises.EXERCISES[name]
+    got = exercises.compare(name, _stub_entry_point(name))
+    assert got.not_done and not got.same_behaviour
+    for text in (got.report(), got._repr_html_()):
+        assert "def " not in text and "class " not in text, text  # no source at all
+        assert f"exercises.solution({name!r})" in text or "exercises.solution(&#x27;" in text
+
+
+FAST_BUGS = [(n, impl, c) for n, impl, c in BUGS
+             if any(c in case.name and not case.real_model for case in exercises.EXERCISES[n].cases)]
+
+
+@pytest.mark.parametrize("name, impl, case", FAST_BUGS,
+                         ids=[f"{n}-{c}" for n, _, c in FAST_BUGS])
+def test_compare_names_every_case_a_wrong_answer_fails(name, impl, case):
+    got = exercises.compare(name, impl)
+    assert not got.same_behaviour and not got.not_done
+    differences = got.differences()
+    assert any(case in d for d in differences), differences
+    # Unlike check, compare runs every fast case: later ones that pass are counted too.
+    ex = exercises.EXERCISES[name]
+    assert len(got.passed) + len(got.failed) + len(got.skipped) == sum(
+        not c.real_model for c in ex.cases)
+    assert all(d in got.report() for d in differences)
+
+
+def test_compare_of_something_that_is_not_code_says_so():
+    got = exercises.compare("fork", 42)
+    assert not got.same_behaviour
+    assert "what you passed" in got.differences()[0]
