@@ -79,13 +79,15 @@ unit: setup
 notebooks: setup
 	$(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
 
-# The instructor's copies of chapters 00-06, every exercise answered, into build/solved/.
+# The instructor's copies of the chapters with exercises (kvlab/workbook/chapters.py), every
+# exercise answered, into build/solved/.
 solved: setup
 	$(PY) scripts/solved_notebooks.py
 
-# Re-execute every notebook top to bottom and save it (what is committed).
+# Re-execute every chapter's notebook (kvlab/workbook/chapters.py) top to bottom and save it
+# (what is committed).
 execute: setup
-	$(PY) scripts/execute_notebooks.py notebooks/*.ipynb
+	$(PY) scripts/execute_notebooks.py
 
 # The one file an instructor hands out with the notebooks (the model stays a PyPI install).
 # Only a venv with pip is needed; pip builds in an isolated environment. build/ goes before

@@ -7,6 +7,8 @@ costs nothing and leaves no state behind.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import numbers
 from dataclasses import dataclass
 
@@ -14,7 +16,8 @@ from kvlab.kv_quant import get_kv_cache_dtype
 from kvlab.prefix_cache import HASH_ALGOS
 
 KV_LAYOUTS = ("paged", "contiguous")
-SCHEDULING_POLICIES = ("continuous", "static")
+SCHEDULING_POLICIES = ("continuous", "static")  # the `scheduling` knob (kvlab-only)
+POLICIES = ("fcfs", "priority")  # the `policy` knob: vLLM's SchedulerPolicy
 BACKENDS = ("auto", "reference", "flex")
 PARALLEL_SAMPLING = ("fork", "child_requests")
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,6 +44,27 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
 def check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def resolve_class(name: str, value, base: type) -> type:
+    """`value` as a class: the class itself, or the one a "module.Class" path names (vLLM:
+    resolve_obj_by_qualname in vllm/utils/import_utils.py); it must be a subclass of `base`
+    (`object`: any class)."""
+    cls = value
+    if isinstance(value, str):
+        module_name, _, attr = value.rpartition(".")
+        if not module_name or not attr:
+            raise ValueError(f"{name} must be a class or a 'module.Class' path, got {value!r}")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{name}={value!r} names no importable class: {e}") from None
+    if not isinstance(cls, type) or not issubclass(cls, base):
+        kind = "a class" if base is object else (
+            f"a subclass of {base.__module__}.{base.__qualname__}")
+        raise TypeError(f"{name} must be {kind} (or the 'module.Class' path of one), "
+                        f"got {value!r}")
+    return cls
 
 
 @dataclass
@@ -76,6 +100,22 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_caching_hash_algo: str = "sha256"  # vLLM --prefix-caching-hash-algo; hashlib names
     scheduling: str = "continuous"  # kvlab-only: "continuous" (Orca/vLLM) or "static" batching
+    # vLLM's name and default (vllm/config/scheduler.py: policy, `--scheduling-policy`): the
+    # order of the waiting queue (kvlab/request_queue.py). "fcfs": arrival order. "priority":
+    # the lowest `priority` value a request was given first, ties by arrival; under memory
+    # pressure the running request with the highest (priority, arrival) is preempted.
+    policy: str = "fcfs"
+    # vLLM's name (vllm/config/scheduler.py: scheduler_cls): the scheduler class, or the dotted
+    # path "module.Class" of one; a subclass of kvlab.scheduler.Scheduler, built as
+    # cls(config, kv_cache_manager) (kvlab.engine.get_scheduler_cls). None:
+    # kvlab.group_scheduler.GroupScheduler (vLLM's scheduler with chapter 02's groups beside
+    # it). The exercises plug a participant's in here.
+    scheduler_cls: str | type | None = None
+    # kvlab-only, on the same pattern: the KV cache manager class (or "module.Class"), a
+    # subclass of the kv_layout's own manager, built with that manager's arguments
+    # (kvlab.kv_cache.get_kv_cache_manager_cls). None: the layout's. vLLM's scheduler builds
+    # its manager itself and has no such knob.
+    kv_cache_manager_cls: str | type | None = None
     device: str = "auto"  # "auto": CUDA if present, else CPU
     dtype: str = "auto"  # "auto": bfloat16 on GPUs from compute capability 8.0, float16 on
     # older ones (the T4), float32 on CPU (kvlab/platforms.py, as vLLM resolves it)
@@ -100,6 +140,9 @@ class EngineConfig:
     # kvlab-only: run the block pool's full consistency check after every step, so a broken
     # pool (a participant's exercise) is caught at the step that broke it. Costs O(blocks).
     debug_checks: bool = False
+    # Set by `resolve()` on the config it returns: the derived knobs are filled in, and
+    # kv_cache_tokens may come from kv_cache_memory_bytes (a conflict only when both are given).
+    _resolved: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -111,7 +154,8 @@ class EngineConfig:
         check_int("kv_cache_tokens", self.kv_cache_tokens, minimum=1, allow_none=True)
         get_kv_cache_dtype(self.kv_cache_dtype)  # a known name this torch can store
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1, allow_none=True)
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_tokens is not None:
+        if (self.kv_cache_memory_bytes is not None and self.kv_cache_tokens is not None
+                and not self._resolved):
             raise ValueError(
                 f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} and kv_cache_tokens="
                 f"{self.kv_cache_tokens} both size the KV pool: pass one of them")
@@ -128,6 +172,12 @@ class EngineConfig:
         check_bool("debug_checks", self.debug_checks)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("scheduling", self.scheduling, SCHEDULING_POLICIES)
+        check_choice("policy", self.policy, POLICIES)
+        # A class, or a path that imports one. Whether it is the right kind of class is the
+        # engine's check (LLMEngine, before the model loads): the base classes import this module.
+        for name in ("scheduler_cls", "kv_cache_manager_cls"):
+            if getattr(self, name) is not None:
+                resolve_class(name, getattr(self, name), object)
         check_choice("device", self.device, DEVICES)
         check_choice("dtype", self.dtype, DTYPES)
         check_int("seed", self.seed, minimum=0)
@@ -145,8 +195,9 @@ class EngineConfig:
             self._check_one_request_fits()
 
     def resolve(self, model_max_len: int, default_kv_tokens: int,
-                kv_bytes_per_token: int | None = None) -> None:
-        """Fill in the `None` knobs once the model is known, and check the combination.
+                kv_bytes_per_token: int | None = None) -> EngineConfig:
+        """A new config with the `None` knobs filled in once the model is known, checked as a
+        whole; this one is left as it was (the caller's config can build another engine).
 
         Mirrors vLLM: without chunked prefill a whole prompt must fit one step, so the token
         budget must be at least max_model_len (vLLM refuses to start otherwise).
@@ -154,35 +205,37 @@ class EngineConfig:
         into whole blocks, as vLLM does (`available_memory // bytes_per_block` in
         vllm/v1/core/kv_cache_planning.py).
         """
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_tokens is None:
-            self.kv_cache_tokens = self._tokens_in_memory_bytes(kv_bytes_per_token)
-        if self.max_model_len is None:
-            self.max_model_len = model_max_len
-            if self.kv_cache_tokens is None:
-                # An automatic budget smaller than the model's context: shrink the context to fit,
-                # as vLLM does when it fits max_model_len to the KV cache it found.
-                self.max_model_len = min(model_max_len, default_kv_tokens)
-            else:
-                self.max_model_len = min(model_max_len, self.kv_cache_tokens)
-        elif self.max_model_len > model_max_len:
+        kv_cache_tokens, max_model_len = self.kv_cache_tokens, self.max_model_len
+        if self.kv_cache_memory_bytes is not None and kv_cache_tokens is None:
+            kv_cache_tokens = self._tokens_in_memory_bytes(kv_bytes_per_token)
+        if max_model_len is None:
+            # A KV budget smaller than the model's context (given, or the automatic one): shrink
+            # the context to fit, as vLLM does when it fits max_model_len to the KV cache it found.
+            max_model_len = min(model_max_len,
+                                default_kv_tokens if kv_cache_tokens is None else kv_cache_tokens)
+        elif max_model_len > model_max_len:
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's context length "
+                f"max_model_len={max_model_len} exceeds the model's context length "
                 f"{model_max_len}"
             )
-        if self.kv_cache_tokens is None:
-            self.kv_cache_tokens = max(default_kv_tokens, self.max_model_len)
-        self._check_one_request_fits()
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
-                2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if kv_cache_tokens is None:
+            kv_cache_tokens = max(default_kv_tokens, max_model_len)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        # replace() runs __post_init__ again: the filled-in config passes the same checks, one
+        # request fitting the pool among them.
+        resolved = dataclasses.replace(self, kv_cache_tokens=kv_cache_tokens,
+                                       max_model_len=max_model_len,
+                                       max_num_batched_tokens=budget, _resolved=True)
+        if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
-                f"max_model_len={self.max_model_len}: with enable_chunked_prefill=False a whole "
+                f"max_num_batched_tokens={budget} is smaller than "
+                f"max_model_len={max_model_len}: with enable_chunked_prefill=False a whole "
                 "prompt must fit in one step; raise the budget, lower max_model_len, or enable "
                 "chunked prefill"
             )
+        return resolved
 
     def _tokens_in_memory_bytes(self, kv_bytes_per_token: int | None) -> int:
         if kv_bytes_per_token is None:

@@ -5,13 +5,15 @@ engine instance: two engines in one notebook never see each other's requests or 
 
 One step is four calls, one owner each, as in vLLM v1: `Scheduler.schedule()` ->
 `ModelRunner.execute_model()` -> `Scheduler.update_from_output()` -> `OutputProcessor`.
+Whatever watches the steps (the step trace, the KV cache events, the workbook's explorer) is a
+`StepObserver` beside them (kvlab/step_log.py). The scheduler class, and the KV cache manager's,
+are chosen by the config (`scheduler_cls`, `kv_cache_manager_cls`), as vLLM's scheduler_cls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -19,11 +21,12 @@ from tqdm.auto import tqdm
 
 from kvlab import platforms
 from kvlab.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
-from kvlab.config import EngineConfig
+from kvlab.config import EngineConfig, check_int, resolve_class
+from kvlab.group_scheduler import GroupScheduler
 from kvlab.inputs import ParsedPrompt, parse_prompt
-from kvlab.kv_cache import allocate_kv_cache, make_kv_cache_manager
+from kvlab.kv_cache import allocate_kv_cache, get_kv_cache_manager_cls, make_kv_cache_manager
 from kvlab.kv_quant import get_kv_cache_dtype
-from kvlab.metrics import RequestMetrics, StepRecord
+from kvlab.metrics import RequestMetrics
 from kvlab.model import Transformer, load_model
 from kvlab.attention import get_attention_backend
 from kvlab.model_runner import ModelRunner
@@ -31,9 +34,8 @@ from kvlab.output_processor import OutputProcessor
 from kvlab.outputs import RequestOutput
 from kvlab.request import Request, RequestGroup
 from kvlab.sampling import RequestOutputKind, Sampler, SamplingParams
-from kvlab.group_scheduler import GroupScheduler
-from kvlab.kv_events import KVCacheEvent
-from kvlab.scheduler import SchedulerOutput
+from kvlab.scheduler import Scheduler, SchedulerOutput
+from kvlab.step_log import StepLog, StepObserver
 
 # Default KV budget when kv_cache_tokens is not given: kvlab/platforms.py (vLLM sizes it from
 # free GPU memory).
@@ -52,9 +54,20 @@ class EngineStepError(RuntimeError):
         self.cause = cause
 
 
+def get_scheduler_cls(config: EngineConfig) -> type[Scheduler]:
+    """The scheduler class for an EngineConfig (vLLM: SchedulerConfig.get_scheduler_cls):
+    `scheduler_cls`, imported when it is a dotted path, a subclass of kvlab.scheduler.Scheduler;
+    GroupScheduler (vLLM's scheduler with chapter 02's groups beside it) when None."""
+    if config.scheduler_cls is None:
+        return GroupScheduler
+    return resolve_class("scheduler_cls", config.scheduler_cls, Scheduler)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        # The classes the config names are checked first: a wrong one costs no model load.
+        scheduler_cls = get_scheduler_cls(config)
+        get_kv_cache_manager_cls(config)
         self.loaded = load_model(config.model, config.device, config.dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model = Transformer(self.loaded, fast=config.backend != "reference",
@@ -67,7 +80,8 @@ class LLMEngine:
         m = self.model
         self.kv_bytes_per_token = self.kv_cache_dtype.bytes_per_token(
             m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
-        config.resolve(
+        # The caller's config is left as it was; the engine keeps the resolved one.
+        config = self.config = config.resolve(
             model_max_len=self.loaded.config.max_position_embeddings,
             default_kv_tokens=self._default_kv_tokens(),
             kv_bytes_per_token=self.kv_bytes_per_token,
@@ -83,16 +97,17 @@ class LLMEngine:
 
             check_eager_flex(config.num_blocks * config.block_size, self.model.num_heads,
                              config.max_num_batched_tokens, self.device, config.enforce_eager)
-        # KV cache events are always recorded: the engine drains them every step into
-        # `kv_events` (bounded), where the explorer reads them.
+        # KV cache events are always recorded: the engine hands them to its observers every
+        # step; its StepLog keeps them in `kv_events` (bounded), where the explorer reads them.
         self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
             self.kv_cache_dtype,
         )
-        # vLLM's scheduler with chapter 02's groups (forked samples, beams) beside it.
-        self.scheduler = GroupScheduler(config, self.kv_cache_manager)
+        # config.scheduler_cls, as vLLM's; by default GroupScheduler: vLLM's scheduler with
+        # chapter 02's groups (forked samples, beams) beside it.
+        self.scheduler = scheduler_cls(config, self.kv_cache_manager)
         # Unseeded sampling draws from the engine's own generator (seeded by `seed`): no global
         # random state, so two engines in one notebook never disturb each other.
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device,
@@ -102,16 +117,39 @@ class LLMEngine:
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
         self.beam_groups: dict[str, BeamSearchGroup] = {}  # caller's id -> its beam search
         self.num_requests_added = 0
-        # The most recent steps, for plots; bounded so a long-lived engine does not grow.
-        self.step_trace: deque[StepRecord] = deque(maxlen=100_000)
-        self.num_steps = 0
-        # The last step's decision, kept for reading only (the engine explorer in
-        # kvlab/workbook/explorer.py draws its token budget, preemptions and copies); never fed back.
-        self.last_scheduler_output: SchedulerOutput | None = None
-        # (step number, event): the block pool's KV cache events (kvlab/kv_events.py), drained
-        # after every step and outside one (aborts, resets); the most recent ones only.
-        self.kv_events: deque[tuple[int, KVCacheEvent]] = deque(maxlen=100_000)
-        self.num_kv_events = 0  # ever logged: a reader remembers it to find what is new
+        self.num_steps = 0  # steps that ran the model
+        # Who hears of each step (kvlab/step_log.py): the engine's own record first.
+        self.step_log = StepLog()
+        self.observers: list[StepObserver] = [self.step_log]
+
+    def add_observer(self, observer: StepObserver) -> None:
+        """Have `observer` hear of every step from now on (after the engine's own StepLog)."""
+        self.observers.append(observer)
+
+    def _notify(self, hook: str, *args) -> None:
+        for observer in self.observers:
+            getattr(observer, hook)(self, *args)
+
+    # The StepLog's records, under the names the notebooks, plots and tests read.
+    @property
+    def step_trace(self):
+        """The most recent steps' StepRecords, for plots (bounded)."""
+        return self.step_log.step_trace
+
+    @property
+    def last_scheduler_output(self) -> SchedulerOutput | None:
+        """The last step's decision, kept for reading only; never fed back."""
+        return self.step_log.last_scheduler_output
+
+    @property
+    def kv_events(self):
+        """(step number, event): the block pool's KV cache events (kvlab/kv_events.py), the
+        most recent ones only."""
+        return self.step_log.kv_events
+
+    @property
+    def num_kv_events(self) -> int:
+        return self.step_log.num_kv_events
 
     def _default_kv_tokens(self) -> int:
         # The weights and, for the fast path, their fused copies: a constant of the model, so
@@ -121,8 +159,11 @@ class LLMEngine:
         return platforms.default_kv_tokens(self.device, self.kv_bytes_per_token, weight_bytes)
 
     # ---- requests in ----------------------------------------------------------------------
-    def validate_request(self, request_id, prompt, params):
+    def validate_request(self, request_id, prompt, params, priority: int = 0):
         """Everything add_request checks, without changing anything. Returns the parsed prompt."""
+        # vLLM's Request.priority is an int of any sign. Under policy="fcfs" it is accepted and
+        # has no effect, as in vLLM 0.33.0, whose v1 engine does not refuse it either.
+        check_int("priority", priority)
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.parents or request_id in self.beam_groups:
@@ -137,15 +178,22 @@ class LLMEngine:
             )
         return parse_prompt(prompt, self.tokenizer, self.vocab_size, self.config.max_model_len)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue one request. `priority` (vLLM's): under policy="priority" a lower value is
+        served first; ties go by arrival. `arrival_time` (vLLM's, LLMEngine.add_request): when
+        the request arrived, a `time.perf_counter()` stamp; None is now. A server stamps it when
+        the HTTP request comes in, so its wait for the engine counts in TTFT and the latencies."""
         params = SamplingParams() if params is None else params
-        self.add_parsed_request(request_id, self.validate_request(request_id, prompt, params),
-                                params)
+        self.add_parsed_request(
+            request_id, self.validate_request(request_id, prompt, params, priority), params,
+            priority, arrival_time)
 
     def add_parsed_request(self, request_id: str, parsed: ParsedPrompt,
-                           params: SamplingParams) -> None:
+                           params: SamplingParams, priority: int = 0,
+                           arrival_time: float | None = None) -> None:
         """Add a request that `validate_request` has already checked and tokenized."""
-        now = time.perf_counter()
+        now = time.perf_counter() if arrival_time is None else arrival_time
         self.num_requests_added += 1
         samples = []
         # Forked samples hold their seats together; vLLM v1's child requests are each a
@@ -175,6 +223,7 @@ class LLMEngine:
                     index=i,
                     group=group,
                     prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                    priority=priority,
                 )
             )
         self.parents[request_id] = samples
@@ -231,32 +280,45 @@ class LLMEngine:
         return ok
 
     def drain_kv_events(self) -> None:
-        """Move the block pool's new events into `kv_events`, stamped with the step count."""
-        for event in self.kv_cache_manager.take_events():
-            self.kv_events.append((self.num_steps, event))
-            self.num_kv_events += 1
+        """Hand the block pool's new KV cache events to the observers (the StepLog keeps them
+        in `kv_events`, stamped with the step count)."""
+        events = self.kv_cache_manager.take_events()
+        if events:
+            self._notify("on_kv_events", events)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, update the requests, and report those that changed."""
+        """Schedule, run the model once, update the requests, and report those that changed
+        (vLLM's EngineCore.step and LLMEngine.step). The observers hear of the schedule and of
+        the finished step (kvlab/step_log.py)."""
         start = time.perf_counter()
         self.drain_kv_events()  # what aborts and resets did since the last step
-        sched = self.scheduler.schedule()
-        self.last_scheduler_output = sched
-        if not sched.scheduled:
+        scheduler_output = self.scheduler.schedule()
+        self._notify("on_schedule", scheduler_output)
+        if not scheduler_output.scheduled:
             self.drain_kv_events()
             return []
+        model_output = self._execute_model(scheduler_output)
+        touched = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._finish_at_stop_strings(touched)
+        self._end_step(scheduler_output, start)
+        return self._make_outputs(touched)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput):
+        """The model runner's forward and sampling for one step. If it fails, only that step's
+        requests end (EngineStepError names them); the engine can keep stepping."""
         try:
-            result = self.model_runner.execute_model(sched)
+            return self.model_runner.execute_model(scheduler_output)
         except BaseException as e:  # an interrupt (Ctrl-C in a notebook) included
-            failed = self._fail_step(sched, e)
+            failed = self._fail_step(scheduler_output, e)
             if not isinstance(e, Exception):
                 raise
             raise EngineStepError(failed, e) from e
-        touched = self.scheduler.update_from_output(sched, result)
+
+    def _finish_at_stop_strings(self, touched: list[Request]) -> None:
         # Stop strings are found in text, so the output stage finds them; the scheduler ends them.
         for request, stop in self.output_processor.check_stop_strings(touched):
             if request.is_finished:  # ended by length in the same step: the string wins
@@ -264,10 +326,16 @@ class LLMEngine:
                 continue
             self.scheduler.finish_request(request, "stop", stop_reason=stop)
             request.metrics.finished_time = request.metrics.token_times[-1]
-        self.record_step(sched, start)
+
+    def _end_step(self, scheduler_output: SchedulerOutput, start: float) -> None:
+        """Count the step, tell the observers, and check the pool if asked to."""
+        self.num_steps += 1
+        self._notify("on_step", scheduler_output, start)
         self.drain_kv_events()
         if self.config.debug_checks:
             self.kv_cache_manager.check_invariants()
+
+    def _make_outputs(self, touched: list[Request]) -> list[RequestOutput]:
         outputs = self.output_processor.make_outputs(touched)
         for out in outputs:
             if out.finished:
@@ -290,25 +358,6 @@ class LLMEngine:
                 self._end(rid, "error")
         self.drain_kv_events()
         return failed
-
-    def record_step(self, sched: SchedulerOutput, start: float) -> None:
-        """Append one StepRecord to the trace."""
-        self.num_steps += 1
-        running = self.scheduler.running
-        num_decode = sched.num_decode_tokens
-        self.step_trace.append(StepRecord(
-            step=self.num_steps,
-            request_ids=[r.request_id for r, _ in sched.scheduled],
-            num_prefill_tokens=sched.total_num_scheduled_tokens - num_decode,
-            num_decode_tokens=num_decode,
-            num_running=len(running),
-            num_waiting=len(self.scheduler.waiting),
-            num_used_blocks=self.kv_cache_manager.block_pool.get_num_used_blocks(),
-            num_cached_tokens=sum(r.num_computed_tokens for r in running),
-            num_cow_copies=len(sched.cow_copies),
-            step_time=time.perf_counter() - start,
-            forward_time=self.model_runner.last_forward_time,
-        ))
 
     # ---- what the notebooks read ------------------------------------------------------------
     def set_attention_backend(self, backend) -> None:
@@ -363,6 +412,19 @@ class LLMEngine:
         }
 
 
+def _priority_to_seq(priority, num_prompts: int) -> list[int]:
+    """`generate`'s priority as one int per prompt (vLLM: _priority_to_seq in
+    vllm/entrypoints/common/offline.py): None is 0 for all, an int is every prompt's."""
+    if priority is None:
+        return [0] * num_prompts
+    if isinstance(priority, (list, tuple)):
+        if len(priority) != num_prompts:
+            raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+        return list(priority)
+    check_int("priority", priority)
+    return [priority] * num_prompts
+
+
 class LLM:
     """vLLM's offline entry point: build once, then `generate` (or `chat`) many times.
 
@@ -388,6 +450,9 @@ class LLM:
         enable_prefix_caching: bool = False,
         prefix_caching_hash_algo: str = "sha256",
         scheduling: str = "continuous",
+        policy: str = "fcfs",
+        scheduler_cls: str | type | None = None,
+        kv_cache_manager_cls: str | type | None = None,
         device: str = "auto",
         dtype: str = "auto",
         seed: int = 0,
@@ -405,6 +470,7 @@ class LLM:
             scheduler_reserve_full_isl=scheduler_reserve_full_isl, watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo, scheduling=scheduling,
+            policy=policy, scheduler_cls=scheduler_cls, kv_cache_manager_cls=kv_cache_manager_cls,
             device=device, dtype=dtype, seed=seed, backend=backend,
             enforce_eager=enforce_eager, parallel_sampling=parallel_sampling,
             debug_checks=debug_checks,
@@ -430,11 +496,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
-        Every prompt and parameter is checked before the first request is added, so bad input
-        anywhere in the list leaves the engine exactly as it was.
+        `priority` (vLLM's): one int for every prompt, or one per prompt; under
+        policy="priority" a lower value is served first. Every prompt and parameter is checked
+        before the first request is added, so bad input anywhere in the list leaves the engine
+        exactly as it was.
         """
         engine = self.llm_engine
         if isinstance(prompts, (str, dict)):
@@ -458,18 +527,19 @@ class LLM:
                 f"sampling_params must be a SamplingParams or a list of them, "
                 f"got {type(sampling_params).__name__}"
             )
+        priorities = _priority_to_seq(priority, len(prompts))
         ids = [f"gen-{self.request_counter + i}" for i in range(len(prompts))]
         # Tokenized once here; nothing is added unless every prompt and parameter passed.
-        parsed = [engine.validate_request(rid, prompt, sp)
-                  for rid, prompt, sp in zip(ids, prompts, params)]
+        parsed = [engine.validate_request(rid, prompt, sp, prio)
+                  for rid, prompt, sp, prio in zip(ids, prompts, params, priorities)]
         self.request_counter += len(prompts)
         # Offline, only the finished output is wanted: text is decoded once, at the end
         # (vLLM's LLM.generate asks for RequestOutputKind.FINAL_ONLY the same way).
         params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                   for sp in params]
 
-        for rid, pp, sp in zip(ids, parsed, params):
-            engine.add_parsed_request(rid, pp, sp)
+        for rid, pp, sp, prio in zip(ids, parsed, params, priorities):
+            engine.add_parsed_request(rid, pp, sp, prio)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
@@ -488,12 +558,12 @@ class LLM:
             bar.close()
         return [finished[rid] for rid in ids]
 
-    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = False):
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = False, priority=None):
         """One conversation (a list of {"role", "content"}) or a list of them, through the
         tokenizer's chat template; returns one RequestOutput per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt, sequences best first.

@@ -64,9 +64,23 @@ class GroupScheduler(Scheduler):
                 self.running.append(child)
                 started.append(child)
             else:
-                self.waiting.appendleft(child)
+                self.waiting.prepend_request(child)
         if started:
             out.forked[request.request_id] = started
+
+    def _on_unscheduled(self, request: Request, out: SchedulerOutput) -> None:
+        """A request scheduled earlier in this step is preempted after all (policy="priority"
+        only): the samples it forked this step share blocks whose K/V this step would have
+        written, so the fork is undone. They wait as its unforked samples again, to fork when
+        it computes its prompt anew."""
+        children = out.forked.pop(request.request_id, [])
+        for child in children:
+            self.running.remove(child)
+            self.kv_cache_manager.free(child.request_id)
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            child.metrics.first_scheduled_time = None
+        request.fork_children = children + request.fork_children
 
     def _on_preempted(self, request: Request, out: SchedulerOutput) -> None:
         # A sample forked earlier in this step no longer takes its token from its parent.
@@ -113,7 +127,7 @@ class GroupScheduler(Scheduler):
                 child.status = RequestStatus.RUNNING
                 self.running.append(child)
             else:  # the parent was preempted, or no room to copy: compute it from scratch
-                self.waiting.appendleft(child)
+                self.waiting.prepend_request(child)
         for beam, token in step.extend:
             beam.output_token_ids.append(token)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.block_pool import BlockPool, KVCacheBlock
+from kvlab.config import resolve_class
 from kvlab.kv_events import KVCacheEvent
 from kvlab.kv_quant import KVCacheDType, QuantizedKVCache, get_kv_cache_dtype
 from kvlab.prefix_cache import extend_block_hashes
@@ -297,9 +298,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
             freed = {blk.block_id for blk in blocks}
-            # A fork copy into blocks given back now must not land on their next owner.
+            # A copy into blocks given back now must not land on their next owner: fork copies
+            # wait for the next step; a copy-on-write copy is pending only while its step is
+            # being scheduled (a request preempted after it was scheduled, policy="priority").
             self.pending_fork_copies = [c for c in self.pending_fork_copies
                                         if c[1] not in freed]
+            kept = [c for c in self.pending_copies if c[1] not in freed]
+            self.num_cow_copies -= len(self.pending_copies) - len(kept)  # never made
+            self.pending_copies = kept
             self.block_pool.free_blocks(list(reversed(blocks)))
 
     def check_invariants(self) -> None:
@@ -421,11 +427,26 @@ class ContiguousKVCacheManager(KVCacheManager):
         return region is not None and self._fork_by_copy(parent, child_id, region)
 
 
+def get_kv_cache_manager_cls(config) -> type[KVCacheManager]:
+    """The manager class for an EngineConfig: its `kv_cache_manager_cls` (imported when it is a
+    dotted path), which must be a subclass of the kv_layout's manager; that manager when None."""
+    base = ContiguousKVCacheManager if config.kv_layout == "contiguous" else KVCacheManager
+    if config.kv_cache_manager_cls is None:
+        return base
+    cls = resolve_class("kv_cache_manager_cls", config.kv_cache_manager_cls, base)
+    if base is KVCacheManager and issubclass(cls, ContiguousKVCacheManager):
+        raise TypeError(f"kv_cache_manager_cls={cls.__qualname__} is a contiguous-layout "
+                        "manager: pass kv_layout='contiguous' with it")
+    return cls
+
+
 def make_kv_cache_manager(config, enable_kv_cache_events: bool = False) -> KVCacheManager:
-    """The manager for an EngineConfig's kv_layout."""
+    """The manager for an EngineConfig: its kv_layout's, or its `kv_cache_manager_cls` (a
+    subclass of that one, built with the same arguments)."""
+    cls = get_kv_cache_manager_cls(config)
     if config.kv_layout == "contiguous":
-        return ContiguousKVCacheManager(config.num_blocks, config.block_size,
-                                        config.max_model_len, enable_kv_cache_events)
-    return KVCacheManager(config.num_blocks, config.block_size, config.max_model_len,
-                          config.enable_prefix_caching, config.prefix_caching_hash_algo,
-                          config.watermark, enable_kv_cache_events)
+        return cls(config.num_blocks, config.block_size, config.max_model_len,
+                   enable_kv_cache_events)
+    return cls(config.num_blocks, config.block_size, config.max_model_len,
+               config.enable_prefix_caching, config.prefix_caching_hash_algo,
+               config.watermark, enable_kv_cache_events)

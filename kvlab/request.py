@@ -69,6 +69,9 @@ class Request:
     # Beam search: the BeamSearchGroup that chooses this beam's next token (see beam_search.py);
     # None for ordinary requests, which sample their own.
     beam_group: object | None = None
+    # vLLM's Request.priority (vllm/v1/request.py): under policy="priority" the waiting queue
+    # serves the lowest value first and the highest is preempted first; "fcfs" ignores it.
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:

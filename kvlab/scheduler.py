@@ -10,6 +10,12 @@ model runner needs (token counts and block tables); after the model ran,
 `update_from_output()` appends the sampled tokens, checks stops, frees what finished and
 reports which requests changed. Nothing else edits `waiting` or `running`.
 
+The waiting queue keeps the order of vLLM's scheduling policy (`EngineConfig.policy`,
+`kvlab/request_queue.py`): arrival order ("fcfs", the default) or request priority
+("priority"). The policy also picks who is preempted when a running request needs a block and
+none is free: the newest running request under "fcfs", the one with the highest (priority,
+arrival time) under "priority" (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule`).
+
 This file is the scheduler vLLM has. Chapter 02's machinery (n samples forked from one prompt,
 beam search's beams) lives beside it in `group_scheduler.py`, through the hooks marked below:
 vLLM's scheduler sees neither (vLLM fans n > 1 out into independent requests in
@@ -19,13 +25,13 @@ vLLM's scheduler sees neither (vLLM fans n > 1 out into independent requests in
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from kvlab.config import EngineConfig
 from kvlab.kv_cache import KVCacheManager
 from kvlab.outputs import ModelRunnerOutput
 from kvlab.request import Request, RequestStatus
+from kvlab.request_queue import SchedulingPolicy, create_request_queue
 
 
 @dataclass
@@ -73,12 +79,15 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Request] = deque()  # arrival order; preempted requests go in front
-        self.running: list[Request] = []  # admission order: the newest is preempted first
+        self.policy = SchedulingPolicy(config.policy)
+        # In the policy's order, head first. Under "fcfs" a deque (FCFSRequestQueue): arrival
+        # order, preempted requests in front.
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []  # admission order: under "fcfs" the newest goes first
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,21 +108,41 @@ class Scheduler:
         # Static batching admits only into an empty engine: the batch runs until its last request
         # ends. Decided before this step's work, so a batch cannot grow while it runs.
         admit = self.config.scheduling == "continuous" or not self.running
+        budget = self._schedule_running(out, budget)
+        # Admissions only in a step that preempted nobody: a request just preempted for lack of
+        # blocks would otherwise see a newcomer take them (vLLM: `if not preempted_reqs`).
+        if admit and not out.preempted:
+            self._schedule_waiting(out, budget)
+        self._before_finish(out)
+        self.finish_output(out)
+        # vLLM asserts these where it decides the step (end of Scheduler.schedule).
+        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, (
+            f"scheduled {out.total_num_scheduled_tokens} tokens over a budget of "
+            f"{self.config.max_num_batched_tokens}")
+        assert len(self.running) <= self.config.max_num_seqs, (
+            f"{len(self.running)} running over max_num_seqs={self.config.max_num_seqs}")
+        return out
 
-        # Running requests first: they already hold KV, and a decode token is the cheapest
-        # progress there is. Oldest first, so under memory pressure the newest gives way.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first: they already hold KV, and a decode token is the cheapest
+        progress there is. In admission order; when one needs blocks and none are free, running
+        requests are preempted (recompute: their K/V is dropped and rebuilt when they run again)
+        until it fits, or it is itself the one preempted. Returns the budget left."""
+        kv = self.kv_cache_manager
+        considered: set[int] = set()  # ids of the running requests already looked at
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            considered.add(id(request))
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:  # only chapter 02's forked samples and idle beams
                 i += 1
                 continue
-            # Out of blocks: preempt the newest running request (recompute: its K/V is dropped
-            # and rebuilt when it runs again) until this one fits, or it is the one preempted.
+            num_preempted = len(out.preempted)
             while not kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new,
                                         request.num_computed_tokens, request=request):
-                victim = self.running.pop()
+                victim = self._pop_victim()
+                budget += self._unschedule(victim, out)
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -121,12 +150,46 @@ class Scheduler:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
                 self._on_scheduled(request, num_new, out)
+            if len(out.preempted) == num_preempted:
                 i += 1
+                continue
+            if request.status == RequestStatus.PREEMPTED and self.policy is SchedulingPolicy.FCFS:
+                break  # it was the newest: nobody after it is left to run
+            # Under "priority" the requests after one that preempted itself rank above it and
+            # may still fit (vLLM continues). Victims may have stood before this request: the
+            # next to look at is the first running request not looked at yet.
+            i = sum(1 for r in self.running if id(r) in considered)
+        return budget
 
-        # Then waiting requests, in arrival order, while seats, budget and blocks allow.
+    def _pop_victim(self) -> Request:
+        """Take the request to preempt out of `running`, as vLLM's scheduler chooses it: under
+        "priority" the lowest-priority one (the highest (priority, arrival time); the first such
+        in admission order on a tie), which may have been scheduled earlier in this step; under
+        "fcfs" the newest, which never was."""
+        if self.policy is SchedulingPolicy.PRIORITY:
+            victim = max(self.running, key=lambda r: (r.priority, r.metrics.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
+    def _unschedule(self, victim: Request, out: SchedulerOutput) -> int:
+        """Take back what this step gave a request that is now preempted (only under
+        "priority" can a victim have been scheduled already). Its freshly keyed blocks will
+        hold no K/V, so their keys go too. Returns the tokens given back to the budget."""
+        given = [n for r, n in out.scheduled if r is victim]
+        if not given:
+            return 0
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
+        self.kv_cache_manager.uncache_unwritten_blocks(victim)
+        self._on_unscheduled(victim, out)
+        return given[0]
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Then waiting requests, in the queue's order, while seats, budget and blocks allow."""
+        kv = self.kv_cache_manager
         seats = self._num_seats_in_use()
-        while admit and not out.preempted and self.waiting and budget > 0:
-            request = self.waiting[0]
+        while self.waiting and budget > 0:
+            request = self.waiting.peek_request()
             cost = self._seat_cost(request)
             if seats + cost > self.config.max_num_seqs:
                 break
@@ -149,14 +212,14 @@ class Scheduler:
                                      hits, request=request,
                                      full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
                                      has_scheduled_reqs=bool(self.running)):
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             if lookup:
                 kv.record_prefix_cache_stats(request, num_hit)
             if request.num_computed_tokens == 0:
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_computed
-            self.waiting.popleft()
+            self.waiting.pop_request()
             if request.status == RequestStatus.PREEMPTED:
                 out.resumed_req_ids.add(request.request_id)
             out.scheduled_new_reqs.append(NewRequestData(
@@ -168,16 +231,6 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
             self._on_scheduled(request, num_new, out)
-
-        self._before_finish(out)
-        self.finish_output(out)
-        # vLLM asserts these where it decides the step (end of Scheduler.schedule).
-        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, (
-            f"scheduled {out.total_num_scheduled_tokens} tokens over a budget of "
-            f"{self.config.max_num_batched_tokens}")
-        assert len(self.running) <= self.config.max_num_seqs, (
-            f"{len(self.running)} running over max_num_seqs={self.config.max_num_seqs}")
-        return out
 
     def finish_output(self, out: SchedulerOutput) -> None:
         """Fill in what the model runner reads besides the (request, tokens) pairs."""
@@ -197,10 +250,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if front:
-            self.waiting.appendleft(request)
+        if front:  # fcfs: the head of the queue; priority: its place by its key
+            self.waiting.prepend_request(request)
         else:
-            self.waiting.append(request)
+            self.waiting.add_request(request)
         out.preempted.append(request)
         self._on_preempted(request, out)
 
@@ -250,7 +303,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
+            self.waiting.remove_request(request)
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -270,6 +323,9 @@ class Scheduler:
 
     def _on_preempted(self, request: Request, out: SchedulerOutput) -> None:
         pass
+
+    def _on_unscheduled(self, request: Request, out: SchedulerOutput) -> None:
+        pass  # called before its preemption, when it had been scheduled in the same step
 
     def _before_finish(self, out: SchedulerOutput) -> None:
         pass

@@ -9,7 +9,8 @@ refuses to render a notebook whose widget metadata carries no state). Folded mea
 outputs that answer a prediction (each code cell after a `prediction_... =` cell, up to the
 first that reads the prediction) open collapsed (`jupyter.outputs_hidden`), so a participant
 predicts before seeing them; JupyterLab unfolds a cell's output when the cell runs.
-`--fold-only` refolds the committed notebooks without executing them.
+`--fold-only` refolds the committed notebooks without executing them. Every chapter is every
+notebook the chapter index lists (kvlab/workbook/chapters.py).
 
 Each notebook's wall time (kernel start included) and its kernel's peak resident memory (Linux
 VmHWM, read after every cell) go into notebooks/timings.json with the machine, the date and the 1-minute load average just before it started (notebooks run back to
@@ -218,10 +219,17 @@ def render_docs(timings: dict, docs=DOCS) -> None:
             doc.write_text(render(doc.read_text(encoding="utf-8"), timings), encoding="utf-8")
 
 
+def chapter_notebooks() -> list[Path]:
+    """Every chapter's notebook, in order: the chapter index's (kvlab/workbook/chapters.py)."""
+    from kvlab.workbook import chapters
+
+    return chapters.notebook_paths(ROOT)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path,
-                        help="default: every chapter in notebooks/")
+                        help="default: every chapter (kvlab/workbook/chapters.py)")
     parser.add_argument("--timings", type=Path, default=TIMINGS,
                         help="where the wall times are kept (default: notebooks/timings.json)")
     parser.add_argument("--docs", type=Path, nargs="*", default=list(DOCS),
@@ -235,7 +243,7 @@ def main(argv=None) -> None:
     if args.fold_only:
         import nbformat
 
-        for path in args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        for path in args.notebooks or chapter_notebooks():
             nb = nbformat.read(path, as_version=4)
             fold_answers(nb)
             nbformat.write(nb, path)
@@ -245,7 +253,7 @@ def main(argv=None) -> None:
         parser.error(f"KVLAB_SIZE={os.environ['KVLAB_SIZE']!r}: the committed notebooks are the "
                      "full run; unset it (or set it to full) to execute them")
     if not args.render_only:
-        for path in args.notebooks or sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        for path in args.notebooks or chapter_notebooks():
             load = os.getloadavg()[0]
             seconds, peak_mib = execute(path)
             peak = "" if peak_mib is None else f", kernel peak {peak_mib / 1024:.1f} GB"

@@ -1,4 +1,4 @@
-"""The instructor's copies of chapters 00-06 and 08: every exercise and challenge cell holds kvlab's answer.
+"""The instructor's copies: every exercise and challenge cell of a chapter holds kvlab's answer.
 
     python scripts/solved_notebooks.py              (or: make solved) into build/solved/
     python scripts/solved_notebooks.py --out DIR
@@ -7,7 +7,8 @@ Made from one source, `kvlab.workbook.exercises`: each cell whose source is an e
 by what `exercises.solution(name)` prints (its imports, then the reference), and every output is
 cleared, so the copy runs top to bottom and each check passes. The participants' notebooks are
 never touched; build/ is not committed (tests/workbook/test_build_track.py makes the copies and checks
-that every stub was replaced and every answer passes its fast cases).
+that every stub was replaced and every answer passes its fast cases). Which chapters have
+exercises is the chapter index's to say (kvlab/workbook/chapters.py: `with_exercises()`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
 BANNER = ("> **Instructor's copy.** Every *Your turn* and *Challenge* cell below holds kvlab's "
           "answer, made by `scripts/solved_notebooks.py` from `kvlab.workbook.exercises`; the "
           "participants' notebook is `notebooks/{name}`. Do not hand this one out before the "
@@ -55,11 +55,13 @@ def solve(path: Path):
 def main(argv=None) -> None:
     import nbformat
 
+    from kvlab.workbook import chapters
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "solved")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for path in sorted(NOTEBOOKS.glob("0[0-68]_*.ipynb")):
+    for path in chapters.notebook_paths(ROOT, chapters.with_exercises()):
         nb, replaced = solve(path)
         nbformat.write(nb, args.out / path.name)
         print(f"{args.out / path.name}: {len(replaced)} answers ({', '.join(replaced)})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,3 +28,32 @@ def wait_idle(llm, timeout=30):
             return s
         time.sleep(0.05)
     raise AssertionError(llm.stats())
+
+
+def llm_fixture(**llm_kwargs):
+    """A module-scoped `llm` fixture: one engine with these knobs, shared by a file's tests."""
+    from kvlab import LLM
+
+    @pytest.fixture(scope="module")
+    def llm():
+        return LLM(**llm_kwargs)
+
+    return llm
+
+
+def make_request(request_id: str, prompt_token_ids, *, max_tokens: int = 16,
+                 eos_token_ids=frozenset(), cache_salt: str | None = None,
+                 ignore_eos: bool = False, stop_token_ids=None, priority: int = 0,
+                 arrival_time: float = 0.0):
+    """A bare engine `Request` (no model, no engine) for the pool, manager and scheduler tests.
+    `priority` and `arrival_time` order it under policy="priority"."""
+    from kvlab.metrics import RequestMetrics
+    from kvlab.request import Request
+    from kvlab.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                        stop_token_ids=list(stop_token_ids or []))
+    return Request(request_id=request_id, prompt=None, prompt_token_ids=list(prompt_token_ids),
+                   sampling_params=sp, eos_token_ids=frozenset(eos_token_ids),
+                   metrics=RequestMetrics(arrival_time=arrival_time), cache_salt=cache_salt,
+                   priority=priority)

@@ -68,10 +68,11 @@ def client_benchmark(args) -> dict:
     return out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per benchmark (main() runs the one chosen)."""
+    cli = argparse.ArgumentParser(prog="python -m kvlab.bench", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = cli.add_subparsers(dest="command", required=True)
     p = sub.add_parser("speed", help="kvlab vs transformers generate at batch 1 and 16")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -179,84 +180,125 @@ def main(argv=None) -> None:
     p.add_argument("--words", type=int, default=96, help="words per prompt")
     p.add_argument("--model", default=None, help="a local folder (default: the packaged model)")
     p.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args(argv)
-    if args.command == "reproduce":
-        from pathlib import Path
+    return cli
 
-        from kvlab.bench.reproduce import run_experiments
 
-        if args.base_url:
-            from kvlab.bench.api_experiments import run_api_experiments
+def reproduce(args, parser: argparse.ArgumentParser) -> None:
+    """The chapters' experiments: in process, or through a server's API with --base-url."""
+    from pathlib import Path
 
-            unknown = sorted(set(args.names) - set(API_EXPERIMENTS))
-            if unknown:
-                parser.error(f"unknown experiment(s) {unknown}; through the API: "
-                             f"{list(API_EXPERIMENTS)}")
-            run_api_experiments(args.base_url, args.names, args.model, args.size,
-                                json.loads(args.extra_body) if args.extra_body else None,
-                                Path(args.out), printer=lambda s: print(s, flush=True))
-            return
-        unknown = sorted(set(args.names) - set(EXPERIMENTS))
+    from kvlab.bench.api_experiments import API_EXPERIMENTS
+    from kvlab.bench.reproduce import EXPERIMENTS, run_experiments
+
+    if args.base_url:
+        from kvlab.bench.api_experiments import run_api_experiments
+
+        unknown = sorted(set(args.names) - set(API_EXPERIMENTS))
         if unknown:
-            parser.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
-        run_experiments(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
+            parser.error(f"unknown experiment(s) {unknown}; through the API: "
+                         f"{list(API_EXPERIMENTS)}")
+        run_api_experiments(args.base_url, args.names, args.model, args.size,
+                            json.loads(args.extra_body) if args.extra_body else None,
+                            Path(args.out), printer=lambda s: print(s, flush=True))
         return
-    if args.command == "serve-peers":
-        from kvlab.bench import online_peers
+    unknown = sorted(set(args.names) - set(EXPERIMENTS))
+    if unknown:
+        parser.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
+    run_experiments(args.names or list(EXPERIMENTS), args.repeats, args.model, Path(args.out))
 
-        rows = online_peers.compare_servers(
-            tuple(args.concurrency), args.max_tokens, args.words,
-            args.num_requests or online_peers.default_num_requests, args.model)
-        print(online_peers.report(rows), flush=True)
-    elif args.command == "peers":
-        from kvlab.bench import offline_peers
-        from kvlab.bench.roofline import roofline
 
-        rows = {"roofline": roofline(args.model, log=print_json)}
-        rows["ceiling"] = offline_peers.ceiling_fraction(model=args.model)
-        print_json(rows["ceiling"])
-        rows["peers"] = offline_peers.compare_peers(repeats=args.repeats, model=args.model)
-        print_json(rows["peers"])
-    elif args.command == "roofline":
-        from kvlab.bench.roofline import PaddedDecodeBackend, roofline
+def serve_peers(args):
+    from kvlab.bench import online_peers
 
-        rows = roofline(args.model, mixed=not args.no_mixed,
-                        attention=PaddedDecodeBackend if args.attention == "padded" else None,
-                        log=print_json)
-    elif args.command == "client":
-        rows = client_benchmark(args)
-    elif args.command == "kv-dtype":
-        from kvlab.bench.kv_dtype import kv_dtype_table, report
+    rows = online_peers.compare_servers(
+        tuple(args.concurrency), args.max_tokens, args.words,
+        args.num_requests or online_peers.default_num_requests, args.model)
+    print(online_peers.report(rows), flush=True)
+    return rows
 
-        if args.threads:
-            import torch
 
-            torch.set_num_threads(args.threads)
-        rows = kv_dtype_table(tuple(args.dtypes), args.memory_bytes, args.request_len,
-                              args.num_prompts, args.prompt_len, args.max_tokens,
-                              batch=args.batch, context=args.context, repeats=args.repeats,
-                              model=args.model)
-        print(report(rows), flush=True)
-    elif args.command == "weights-dtype":
-        from kvlab.bench.weights_dtype import report, weights_dtype_table
+def peers(args) -> dict:
+    from kvlab.bench import offline_peers
+    from kvlab.bench.roofline import roofline
 
-        rows = weights_dtype_table(batches=tuple(args.batches), context=args.context,
-                                   steps=args.steps, model=args.model)
-        print(report(rows), flush=True)
-    elif args.command == "compiled-flex":
-        from kvlab.bench.compiled_flex import compiled_flex_report
+    rows = {"roofline": roofline(args.model, log=print_json)}
+    rows["ceiling"] = offline_peers.ceiling_fraction(model=args.model)
+    print_json(rows["ceiling"])
+    rows["peers"] = offline_peers.compare_peers(repeats=args.repeats, model=args.model)
+    print_json(rows["peers"])
+    return rows
 
-        rows = compiled_flex_report(args.steps, args.repeats, args.model)
-    elif args.command == "prefix":
-        rows = prefix_targets(args.model)
-    elif args.command == "speed":
-        rows = speed(tuple(args.batch_sizes), args.max_tokens, args.repeats, model=args.model)
-    elif args.command == "sched":
-        rows = scheduling_targets(args.repeats, args.model)
-    else:
-        rows = cow_savings(tuple(args.prompt_lens), max_tokens=args.max_tokens, model=args.model)
-        for row in rows:
-            print_json(row)
+
+def roofline_sweep(args):
+    from kvlab.bench.roofline import PaddedDecodeBackend, roofline
+
+    return roofline(args.model, mixed=not args.no_mixed,
+                    attention=PaddedDecodeBackend if args.attention == "padded" else None,
+                    log=print_json)
+
+
+def kv_dtype(args):
+    from kvlab.bench.kv_dtype import kv_dtype_table, report
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    rows = kv_dtype_table(tuple(args.dtypes), args.memory_bytes, args.request_len,
+                          args.num_prompts, args.prompt_len, args.max_tokens,
+                          batch=args.batch, context=args.context, repeats=args.repeats,
+                          model=args.model)
+    print(report(rows), flush=True)
+    return rows
+
+
+def weights_dtype(args):
+    from kvlab.bench.weights_dtype import report, weights_dtype_table
+
+    rows = weights_dtype_table(batches=tuple(args.batches), context=args.context,
+                               steps=args.steps, model=args.model)
+    print(report(rows), flush=True)
+    return rows
+
+
+def compiled_flex(args):
+    from kvlab.bench.compiled_flex import compiled_flex_report
+
+    return compiled_flex_report(args.steps, args.repeats, args.model)
+
+
+def cow(args):
+    rows = cow_savings(tuple(args.prompt_lens), max_tokens=args.max_tokens, model=args.model)
+    for row in rows:
+        print_json(row)
+    return rows
+
+
+# Every subcommand but reproduce (which saves its own files): the function that runs it, whose
+# rows --json writes.
+COMMANDS = {
+    "serve-peers": serve_peers,
+    "peers": peers,
+    "roofline": roofline_sweep,
+    "client": lambda args: client_benchmark(args),
+    "kv-dtype": kv_dtype,
+    "weights-dtype": weights_dtype,
+    "compiled-flex": compiled_flex,
+    "prefix": lambda args: prefix_targets(args.model),
+    "speed": lambda args: speed(tuple(args.batch_sizes), args.max_tokens, args.repeats,
+                                model=args.model),
+    "sched": lambda args: scheduling_targets(args.repeats, args.model),
+    "cow": cow,
+}
+
+
+def main(argv=None) -> None:
+    cli = parser()
+    args = cli.parse_args(argv)
+    if args.command == "reproduce":
+        reproduce(args, cli)
+        return
+    rows = COMMANDS[args.command](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

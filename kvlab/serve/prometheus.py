@@ -7,13 +7,30 @@ same way. Counters that the engine already keeps (prefix-cache queries and hits,
 and gauges (running, waiting, KV usage) are read from `LLM.stats()` at scrape time; the
 histograms are observed as requests finish and as the block pool reports evictions.
 
+The per-request families are vLLM's (`vllm/v1/metrics/stats.py`, update_from_finished_request),
+observed once per finished sample (vLLM's child request; `request_params_n` once per request):
+`vllm:request_success` (label finished_reason, every reason's series present from the start),
+`e2e_request_latency_seconds` (arrival to finish), `request_queue_time_seconds` (queued, as
+the worker adds it between two steps, to first scheduled), `request_prefill_time_seconds` (first
+scheduled to first token), `request_decode_time_seconds` (first to last token),
+`request_inference_time_seconds` (first scheduled to last token),
+`request_time_per_output_token_seconds` (decode time over the tokens after the first),
+`request_prompt_tokens`, `request_generation_tokens`, `request_params_max_tokens` and
+`request_params_n`; and `iteration_tokens_total`, per engine step. Arrival is when the HTTP
+request came in (`kvlab.serve.serving`), so TTFT and e2e include the wait for the engine.
+
 Where kvlab differs: vLLM observes TTFT and each inter-token gap as its engine steps; kvlab
-observes a request's whole list when it finishes, so an aborted request adds none. kvlab-only
+observes a request's whole list when it finishes, so an aborted request adds none (vLLM does not
+count a request its client aborted in the per-request families either). vLLM's
+`iteration_tokens_total` counts a prompt in the step that completes it, plus each sampled token;
+kvlab's counts the tokens each step's forward ran (a chunk of a prompt where it ran). kvlab-only
 values keep the `kvlab:` prefix (the re-admitted preempted requests' prefix-cache counters and
 the pool's block counts, which vLLM reports only as the usage fraction).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,7 +43,33 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 KV_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20,
                         30, 60, 120, 300, 600, 1200, 1800)
+# vllm/v1/metrics/buckets.py: REQUEST_LATENCY_BUCKETS (the e2e, queue, prefill, decode and
+# inference times), ITERATION_TOKENS_BUCKETS, REQUEST_PARAMS_N_BUCKETS.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM's FinishReason strings (vllm/v1/engine/__init__.py); kvlab never finishes by repetition,
+# but the series is there at 0 as in vLLM's exposition.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's request_tokens buckets, capped at
+    max_model_len (vllm/v1/metrics/buckets.py)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def _since(start: float | None, end: float | None) -> float:
+    """An interval; 0 for a phase the request never reached (an error before its first token)."""
+    return end - start if start is not None and end is not None else 0.0
 
 
 class _EngineState:
@@ -130,17 +173,98 @@ class ServerMetrics:
             "Histogram of time gaps between consecutive KV cache block accesses. Only the most "
             "recent accesses are recorded (ring buffer). Sampled metrics (controlled by "
             "--kv-cache-metrics-sample).", KV_RESIDENCY_BUCKETS)
+        self._per_request_families(labels, llm.llm_engine.config.max_model_len)
+
+    def _per_request_families(self, labels: dict, max_model_len: int) -> None:
+        """vLLM's per-request and per-step families: names, help texts and buckets of
+        vllm/v1/metrics/loggers.py (PrometheusStatLogger)."""
+        names = list(labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets,
+                             registry=self.registry).labels(**labels)
+
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=self.registry)
+        self.request_success = {reason: success.labels(**labels, finished_reason=reason)
+                                for reason in FINISHED_REASONS}
+        tokens = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", tokens)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKENS_BUCKETS)
+        self.request_params_n = histogram("vllm:request_params_n",
+                                          "Histogram of the n request parameter.",
+                                          REQUEST_PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            tokens)
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        latency = {
+            "e2e": ("vllm:e2e_request_latency_seconds",
+                    "Histogram of e2e request latency in seconds."),
+            "queue": ("vllm:request_queue_time_seconds",
+                      "Histogram of time spent in WAITING phase for request."),
+            "inference": ("vllm:request_inference_time_seconds",
+                          "Histogram of time spent in RUNNING phase for request."),
+            "prefill": ("vllm:request_prefill_time_seconds",
+                        "Histogram of time spent in PREFILL phase for request."),
+            "decode": ("vllm:request_decode_time_seconds",
+                       "Histogram of time spent in DECODE phase for request."),
+        }
+        self.request_latency = {key: histogram(name, doc, REQUEST_LATENCY_BUCKETS)
+                                for key, (name, doc) in latency.items()}
 
     def observe_output(self, out, first: bool) -> None:
         """One RequestOutput reached the server (`first`: the request's first one)."""
         self.generation_tokens.inc(sum(len(o.token_ids) for o in out.outputs))
         if first:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-        if out.finished and out.metrics is not None:
-            if out.metrics.ttft is not None:
-                self.ttft.observe(out.metrics.ttft)
-            for gap in out.metrics.itl:
+
+    def observe_step(self, scheduler_output) -> None:
+        """One engine step ran the model: the tokens it ran."""
+        if scheduler_output is not None:
+            self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+
+    def observe_finished(self, samples: list, queued: float,
+                         finished_reason: str | None = None) -> None:
+        """A request ended: each of its samples (the engine's Requests) as vLLM's
+        FinishedRequestStats, from its RequestMetrics' stamps (`time.perf_counter()`, arrival
+        the HTTP request's) and `queued`, when the worker added it. `finished_reason` overrides
+        the samples' own ("error" when the engine failed them)."""
+        now = time.perf_counter()
+        for sample in samples:
+            m = sample.metrics
+            reason = finished_reason or sample.finish_reason or "abort"
+            self.request_success[reason if reason in self.request_success else "error"].inc()
+            if m.first_token_time is not None:
+                self.ttft.observe(m.ttft)
+            for gap in m.itl:
                 self.itl.observe(gap)
+            last = m.token_times[-1] if m.token_times else None
+            scheduled, first = m.first_scheduled_time, m.first_token_time
+            num_generated = len(sample.output_token_ids)
+            decode = _since(first, last)
+            latency = self.request_latency
+            latency["e2e"].observe((m.finished_time or now) - m.arrival_time)
+            latency["queue"].observe(max(0.0, _since(queued, scheduled)))
+            latency["prefill"].observe(_since(scheduled, first))
+            latency["decode"].observe(decode)
+            latency["inference"].observe(_since(scheduled, last))
+            # vLLM's mean time per output token leaves out the first (the prefill's) token.
+            self.request_time_per_output_token.observe(
+                decode / (num_generated - 1) if num_generated > 1 else 0.0)
+            self.request_prompt_tokens.observe(sample.num_prompt_tokens)
+            self.request_generation_tokens.observe(num_generated)
+            if sample.sampling_params.max_tokens:
+                self.request_params_max_tokens.observe(sample.sampling_params.max_tokens)
+        if samples:
+            self.request_params_n.observe(samples[0].sampling_params.n)
 
     def observe_evictions(self, evictions) -> None:
         for e in evictions:

@@ -16,8 +16,9 @@ vLLM has no such view; the pieces it reads are vLLM's own: the block pool's ref 
 queue (`vllm/v1/core/block_pool.py`), the block tables (`vllm/v1/core/kv_cache_manager.py`),
 the `SchedulerOutput` of one step (`vllm/v1/core/sched/output.py`: who was admitted, with how
 many prompt tokens found in the cache) and the block pool's KV cache events
-(`vllm/distributed/kv_events.py`: which cached blocks were evicted), which the engine keeps in
-`engine.kv_events` whoever stepped it.
+(`vllm/distributed/kv_events.py`: which cached blocks were evicted). The engine's own step
+observer (`engine.step_log`, kvlab/step_log.py) keeps the last SchedulerOutput and those events
+(`engine.last_scheduler_output`, `engine.kv_events`) whoever stepped it.
 """
 
 from __future__ import annotations

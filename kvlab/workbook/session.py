@@ -70,7 +70,7 @@ def release(namespace: dict) -> dict:
     import gc
 
     from kvlab.model import forget_loaded_models, loaded_weights
-    from kvlab.serve.api_server import BackgroundServer
+    from kvlab.serve import BackgroundServer
 
     before = resident_mib()
     BackgroundServer.stop_all()

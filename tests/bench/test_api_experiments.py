@@ -13,7 +13,7 @@ from kvlab import LLM
 from kvlab.bench.api_experiments import (NOT_MEASURABLE, SIZES, metric_labels, parse_metrics,
                              random_text, run_api_experiments)
 from kvlab.bench.__main__ import main
-from kvlab.serve.api_server import BackgroundServer
+from kvlab.serve import BackgroundServer
 
 TINY = {"input_words": 12, "output_len": 6, "decode_len": 40, "insert_words": 200,
         "prefix_words": 120, "doc_words": 120, "trials": 6}

@@ -1,4 +1,5 @@
-"""The peers and the ceiling arithmetic (issue 6's benchmark pieces)."""
+"""The in-process peers (transformers `generate` and `generate_batch` beside kvlab) and the
+machine-ceiling arithmetic."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ answers exactly as before and holds no blocks."""
 from __future__ import annotations
 
 import pytest
-from tests.helpers import assert_no_blocks_held
+from tests.helpers import assert_no_blocks_held, llm_fixture
 
 from kvlab import LLM, SamplingParams
 
@@ -37,7 +37,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
         (dict(enable_prefix_caching=True, kv_layout="contiguous"), ValueError, "enable_prefix_caching"),
         (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching"),
         (dict(prefix_caching_hash_algo="md5"), ValueError, "prefix_caching_hash_algo"),
-        # issue 23: vLLM's kv_cache_dtype and kv_cache_memory_bytes
+        # vLLM's kv_cache_dtype and kv_cache_memory_bytes
         (dict(kv_cache_dtype="int3"), ValueError, "kv_cache_dtype='int3'.*int8_per_token_head"),
         (dict(kv_cache_dtype="nvfp4"), ValueError, "not supported by kvlab"),
         (dict(kv_cache_dtype=8), TypeError, "kv_cache_dtype"),
@@ -77,9 +77,7 @@ def test_bad_sampling_params(kwargs, error, words):
         SamplingParams(**kwargs)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(block_size=16, max_model_len=128, kv_cache_tokens=1024)
+llm = llm_fixture(block_size=16, max_model_len=128, kv_cache_tokens=1024)
 
 
 BAD_PROMPTS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers import assert_no_blocks_held
+from tests.helpers import assert_no_blocks_held, llm_fixture
 
 from kvlab import LLM, BeamSearchParams, SamplingParams
 from kvlab.kv_cache import KVCacheManager
@@ -40,9 +40,7 @@ def test_cow_needs_a_free_block_and_takes_nothing_without_one():
     m.block_pool.check_invariants()
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(block_size=8, max_model_len=256, kv_cache_tokens=2048)
+llm = llm_fixture(block_size=8, max_model_len=256, kv_cache_tokens=2048)
 
 
 def test_parallel_samples_share_the_prompt_and_equal_unshared_runs(llm, text_ids):

@@ -269,7 +269,7 @@ def meta_runner(engine: LLMEngine, backend: str, kv_cache_dtype: str = "auto"):
 @pytest.mark.parametrize("backend", ["auto", "flex"])
 def test_a_decode_step_makes_no_sync_and_two_copies(backend, kv_cache_dtype, text_ids,
                                                     monkeypatch):
-    """Quantizing on write and dequantizing on read (issue 23) add no sync and no copy: the
+    """Quantizing on write and dequantizing on read (`kv_cache_dtype`) add no sync and no copy: the
     scales live on the device beside the blocks, the int4 rotation is made once."""
     if backend == "flex":
         # FlexAttention refuses meta tensors: its kernel stands in (the mask it is given,

@@ -1,4 +1,4 @@
-"""Issue 23: kv_cache_dtype (vLLM's names) and kv_cache_memory_bytes.
+"""kv_cache_dtype (vLLM's names) and kv_cache_memory_bytes.
 
 Model-free: what each mode stores and what one token costs, the round trip's error, scales
 travelling with copied blocks, and every backend reading a quantized layer exactly as it reads

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-from tests.helpers import assert_no_blocks_held
+from tests.helpers import assert_no_blocks_held, llm_fixture
 
 from kvlab import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(block_size=16, max_model_len=256, kv_cache_tokens=2048)
+llm = llm_fixture(block_size=16, max_model_len=256, kv_cache_tokens=2048)
 
 
 def test_weights_are_loaded_once_and_shared(llm):

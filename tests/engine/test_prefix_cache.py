@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
 from kvlab.kv_cache import KVCacheManager
-from kvlab.metrics import RequestMetrics
 from kvlab.prefix_cache import hash_block_tokens
 from kvlab.request import Request
+from tests import helpers
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -32,8 +32,7 @@ def test_hash_chain_properties():
 
 
 def make_request(rid, tokens, salt=None):
-    return Request(rid, None, list(tokens), SamplingParams(), frozenset(),
-                   RequestMetrics(arrival_time=0.0), cache_salt=salt)
+    return helpers.make_request(rid, tokens, cache_salt=salt)
 
 
 def admit(m: KVCacheManager, req: Request) -> int:

@@ -30,7 +30,9 @@ from tests.engine.vllm_adapter import (
     allocate_slots,
     append_output_token_ids,
     create_requests,
+    create_requests_with_priority,
     create_scheduler,
+    create_scheduler_with_priority,
     free_queue_vids,
     make_manager,
     make_request,
@@ -1097,6 +1099,139 @@ def test_memory_leak():
 
 
 # =================================================================================================
+# tests/v1/core/test_scheduler.py: priority scheduling (policy="priority",
+# vllm/v1/core/sched/request_queue.py and the victim choice in sched/scheduler.py)
+# =================================================================================================
+def _admitted_in_one_step(priorities, arrival_times, **knobs) -> tuple[list[str], list[str]]:
+    """(request ids admitted by the first step, in order; ids left waiting, in queue order)."""
+    scheduler = create_scheduler_with_priority(**knobs)
+    for request in create_requests_with_priority(len(priorities), priorities, arrival_times):
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    return [n.req_id for n in out.scheduled_new_reqs], [r.request_id for r in scheduler.waiting]
+
+
+def test_priority_scheduling_basic_ordering():
+    """test_scheduler.py::test_priority_scheduling_basic_ordering: lower value first."""
+    assert _admitted_in_one_step([2, 0, 1], [1.0, 2.0, 3.0]) == (["1", "2", "0"], [])
+
+
+def test_priority_scheduling_arrival_time_tiebreaker():
+    """test_scheduler.py::test_priority_scheduling_arrival_time_tiebreaker."""
+    assert _admitted_in_one_step([1, 1, 1], [3.0, 1.0, 2.0]) == (["1", "2", "0"], [])
+
+
+def test_priority_scheduling_mixed_priority_and_arrival():
+    """test_scheduler.py::test_priority_scheduling_mixed_priority_and_arrival."""
+    assert _admitted_in_one_step([2, 1, 1, 0], [1.0, 3.0, 2.0, 4.0]) == (
+        ["3", "2", "1", "0"], [])
+
+
+def test_priority_scheduling_fcfs_fallback():
+    """test_scheduler.py::test_priority_scheduling_fcfs_fallback: equal priorities go by
+    arrival time."""
+    assert _admitted_in_one_step([1, 1, 1, 1], [4.0, 1.0, 3.0, 2.0]) == (
+        ["1", "3", "2", "0"], [])
+
+
+def test_priority_scheduling_preemption_victim_selection():
+    """test_scheduler.py::test_priority_scheduling_preemption_victim_selection: one seat; the
+    others wait in priority order."""
+    assert _admitted_in_one_step([3, 2, 0], [1.0, 2.0, 3.0], max_num_seqs=1) == (
+        ["2"], ["1", "0"])
+
+
+def test_priority_scheduling_equal_priority_preemption():
+    """test_scheduler.py::test_priority_scheduling_equal_priority_preemption."""
+    assert _admitted_in_one_step([2, 2, 2], [3.0, 1.0, 2.0], max_num_seqs=1) == (
+        ["1"], ["2", "0"])
+
+
+def test_priority_scheduling_waiting_queue_order():
+    """test_scheduler.py::test_priority_scheduling_waiting_queue_order."""
+    assert _admitted_in_one_step([3, 1, 2, 0], [1.0, 2.0, 3.0, 4.0], max_num_seqs=1) == (
+        ["3"], ["1", "2", "0"])
+
+
+def test_priority_scheduling_with_limited_slots():
+    """test_scheduler.py::test_priority_scheduling_with_limited_slots."""
+    assert _admitted_in_one_step([3, 1, 2, 0], [1.0, 2.0, 3.0, 4.0], max_num_seqs=2,
+                                 max_num_batched_tokens=1000) == (["3", "1"], ["2", "0"])
+
+
+def test_priority_scheduling_heap_property():
+    """test_scheduler.py::test_priority_scheduling_heap_property: one seat, each request
+    finished after its first step; they run in ascending priority."""
+    scheduler = create_scheduler_with_priority(max_num_seqs=1)
+    priorities = [5, 1, 8, 3, 2, 7, 4, 6]
+    requests = create_requests_with_priority(len(priorities), priorities)
+    for request in requests:
+        scheduler.add_request(request)
+    ran = []
+    while scheduler.waiting:
+        out = scheduler.schedule()
+        (new,) = out.scheduled_new_reqs
+        ran.append(requests[int(new.req_id)].priority)
+        scheduler.update_from_output(out, runner_output(out, 100))
+        scheduler.finish_request(requests[int(new.req_id)], "stop")
+    assert ran == sorted(priorities)
+
+
+def test_priority_scheduling_no_preemption_when_space_available():
+    """test_scheduler.py::test_priority_scheduling_no_preemption_when_space_available."""
+    scheduler = create_scheduler_with_priority(max_num_seqs=3, max_num_batched_tokens=200)
+    low = create_requests_with_priority(2, [5, 5], [1.0, 2.0], num_tokens=30,
+                                        req_ids=["lo1", "lo2"])
+    for request in low:
+        scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, runner_output(out, 100))
+    (high,) = create_requests_with_priority(1, [0], [3.0], num_tokens=30, req_ids=["hi1"])
+    scheduler.add_request(high)
+    out = scheduler.schedule()
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["hi1"] and not out.preempted
+    assert len(scheduler.running) == 3 and len(scheduler.waiting) == 0
+
+
+def test_priority_scheduling_preemption_and_resumption_when_out_of_kv():
+    """test_scheduler.py::test_priority_scheduling_preemption_and_resumption_when_out_of_kv,
+    without its KV and EC connectors (which, it says, must not change the outcome). 5 vLLM
+    blocks of 16 (4 usable). In the 3rd step the low-priority request is scheduled first and
+    fits, then the high-priority one needs a 3rd block: the low one is preempted although it
+    was scheduled this step (sched/scheduler.py gives its tokens back to the budget); it resumes
+    with all 32 of its tokens once the high one finishes."""
+    scheduler = create_scheduler_with_priority(max_num_seqs=2, max_num_batched_tokens=200,
+                                               num_blocks=5, block_size=16, max_model_len=64,
+                                               enable_prefix_caching=False)
+    adapter = SchedulerAdapter(scheduler)
+    (low,) = create_requests_with_priority(1, [1], [0.0], num_tokens=30)
+    scheduler.add_request(low)
+    step = adapter.schedule()
+    assert step.scheduled_new_reqs == ["0"]
+    assert len(scheduler.waiting) == 0 and len(scheduler.running) == 1
+    adapter.update(step, 100)
+    (high,) = create_requests_with_priority(1, [0], [1.0], num_tokens=32, starting_idx=1)
+    scheduler.add_request(high)
+    step = adapter.schedule()
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    assert step.scheduled_new_reqs == ["1"] and step.scheduled_cached_reqs == ["0"]
+    assert len(scheduler.waiting) == 0 and len(scheduler.running) == 2
+    adapter.update(step, 100)
+    step = adapter.schedule()
+    assert step.scheduled_new_reqs == [] and step.scheduled_cached_reqs == ["1"]
+    assert step.preempted_req_ids == ["0"] and step.total_num_scheduled_tokens == 1
+    assert low.status == RequestStatus.PREEMPTED
+    assert len(scheduler.waiting) == 1 and len(scheduler.running) == 1
+    adapter.update(step, 100)  # only the high-priority request ran
+    scheduler.finish_request(high, "stop")
+    step = adapter.schedule()
+    assert step.scheduled_new_reqs == [] and step.scheduled_cached_reqs == ["0"]
+    assert step.resumed_req_ids == {"0"} and step.num_scheduled_tokens == {"0": 32}
+    assert low.token_ids(0, 32)[31] == 100 and low.output_token_ids == [100, 100]
+    assert len(scheduler.waiting) == 0 and len(scheduler.running) == 1
+
+
+# =================================================================================================
 # tests/v1/core/test_kv_cache_coordinator.py (its single-group cases). That file tests a
 # pool-aware coordinator newer than 0.33.0 (no CompactBlockPool / *_by_pool there); the
 # observable outcomes ported here hold in 0.33.0 as well.
@@ -1383,7 +1518,6 @@ _KVC = "KV connector / P-D disaggregation (kvlab has none)"
 _EC = "encoder cache / EC connector (kvlab has no encoder)"
 _HY = "hybrid or non-full-attention KV cache groups (kvlab has one full-attention group)"
 _EA = "EAGLE prefix-cache hashing (kvlab has no EAGLE)"
-_PR = "priority scheduling policy (kvlab is FCFS only)"
 _CFG = "KV cache sizing from memory / layer specs (kvlab sizes its pool from kv_cache_tokens)"
 _INFLIGHT = ("schedules again before the previous step's output is processed: kvlab advances "
              "num_computed_tokens in update_from_output, vLLM in schedule(), so an in-flight "
@@ -1522,19 +1656,10 @@ NOT_PORTED = (
     ("test_external_prefix_cache_metrics", SC, _KVC),
     ("test_kv_connector_unable_to_allocate", SC, _KVC),
     ("test_kv_connector_handles_preemption", SC, _KVC),
-    ("test_priority_scheduling_basic_ordering", SC, _PR),
-    ("test_priority_scheduling_arrival_time_tiebreaker", SC, _PR),
-    ("test_priority_scheduling_mixed_priority_and_arrival", SC, _PR),
-    ("test_priority_scheduling_preemption", SC, _PR + " (its block arithmetic is reused, under "
-     "FCFS, by test_src_fcfs_preempts_newest_running_request)"),
-    ("test_priority_scheduling_no_preemption_when_space_available", SC, _PR),
-    ("test_priority_scheduling_preemption_victim_selection", SC, _PR),
-    ("test_priority_scheduling_equal_priority_preemption", SC, _PR),
-    ("test_priority_scheduling_waiting_queue_order", SC, _PR),
-    ("test_priority_scheduling_fcfs_fallback", SC, _PR),
-    ("test_priority_scheduling_with_limited_slots", SC, _PR),
-    ("test_priority_scheduling_heap_property", SC, _PR),
-    ("test_priority_scheduling_preemption_and_resumption_when_out_of_kv", SC, _PR + "; " + _KVC),
+    ("test_priority_scheduling_preemption", SC, "it expects a high-priority arrival that does "
+     "not fit to be admitted or to preempt someone, but the waiting loop never preempts "
+     "(sched/scheduler.py) and vLLM's own copy is skipped, 'needs investigation'; its block "
+     "arithmetic is reused, under FCFS, by test_src_fcfs_preempts_newest_running_request"),
     ("test_schedule_skip_tokenizer_init", SC, "skip_tokenizer_init: kvlab's scheduler never "
      "touches a tokenizer"),
     ("test_schedule_skip_tokenizer_init_structured_output_request", SC, "structured output"),
@@ -1588,7 +1713,8 @@ NOT_PORTED = (
     ("test_multi_pool_config_with_prefix_cache_is_rejected_until_pool_aware",
      "tests/v1/core/test_kv_cache_coordinator.py", _HY + " (multiple pools)"),
     ("tests/v1/core/test_request_queue.py (all)", "tests/v1/core/test_request_queue.py",
-     _PR + " (PriorityRequestQueue; kvlab's waiting queue is a plain deque)"),
+     "the queue classes themselves: kvlab's are tested, from vllm/v1/core/sched/"
+     "request_queue.py, in tests/engine/test_scheduling_policy.py"),
     ("tests/v1/core/test_output.py (all)", "tests/v1/core/test_output.py",
      "NewRequestData's repr of prompt embeds (kvlab has no prompt embeds)"),
     ("tests/v1/core/test_async_scheduler.py (all)", "tests/v1/core/test_async_scheduler.py",

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from tests.helpers import assert_no_blocks_held
+from tests.helpers import assert_no_blocks_held, llm_fixture
 
 from kvlab import LLM, BeamSearchParams, SamplingParams
 from kvlab.block_pool import BlockPool
@@ -18,9 +18,7 @@ from kvlab.sampling import RequestOutputKind
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(block_size=8, max_model_len=256, kv_cache_tokens=2048)
+llm = llm_fixture(block_size=8, max_model_len=256, kv_cache_tokens=2048)
 
 
 def test_forked_samples_never_exceed_max_num_seqs(text_ids):

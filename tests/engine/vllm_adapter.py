@@ -44,11 +44,10 @@ from dataclasses import dataclass, field
 from kvlab.block_pool import KVCacheBlock
 from kvlab.config import EngineConfig
 from kvlab.kv_cache import KVCacheManager, make_kv_cache_manager
-from kvlab.metrics import RequestMetrics
 from kvlab.outputs import ModelRunnerOutput
 from kvlab.request import Request
-from kvlab.sampling import SamplingParams
 from kvlab.scheduler import Scheduler
+from tests import helpers
 
 NUM_NULL_BLOCKS = 1  # vLLM's block 0
 EOS_TOKEN_ID = 50256  # tests/v1/core/utils.py
@@ -92,11 +91,9 @@ def make_request(request_id: str, prompt_token_ids, *, max_tokens: int = 17,
                  eos_token_id: int = 100, cache_salt: str | None = None,
                  ignore_eos: bool = False, stop_token_ids=None) -> Request:
     """vLLM's make_request (test_prefix_caching.py: max_tokens=17, eos 100) in kvlab's form."""
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                        stop_token_ids=list(stop_token_ids or []))
-    return Request(request_id=request_id, prompt=None, prompt_token_ids=list(prompt_token_ids),
-                   sampling_params=sp, eos_token_ids=frozenset({eos_token_id}),
-                   metrics=RequestMetrics(arrival_time=0.0), cache_salt=cache_salt)
+    return helpers.make_request(request_id, prompt_token_ids, max_tokens=max_tokens,
+                                eos_token_ids={eos_token_id}, cache_salt=cache_salt,
+                                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids)
 
 
 def append_output_token_ids(request: Request, token_ids) -> None:
@@ -147,7 +144,7 @@ def create_scheduler(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 81
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching,
                           enable_chunked_prefill=enable_chunked_prefill, **new_knobs)
-    config.resolve(model_max_len=max_model_len, default_kv_tokens=kv_tokens)
+    config = config.resolve(model_max_len=max_model_len, default_kv_tokens=kv_tokens)
     return Scheduler(config, make_kv_cache_manager(config))
 
 
@@ -163,6 +160,28 @@ def create_requests(num_requests: int, num_tokens: int = 10, *, max_tokens: int 
                      stop_token_ids=stop_token_ids)
         for i in range(num_requests)
     ]
+
+
+def create_scheduler_with_priority(**kwargs) -> Scheduler:
+    """tests/v1/core/test_scheduler.py `create_scheduler_with_priority`: `create_scheduler`
+    with policy="priority" (vllm/config/scheduler.py)."""
+    return create_scheduler(policy="priority", **kwargs)
+
+
+def create_requests_with_priority(num_requests: int, priorities, arrival_times=None,
+                                  num_tokens: int = 10, *, max_tokens: int = 16,
+                                  starting_idx: int = 0, req_ids=None) -> list[Request]:
+    """tests/v1/core/test_scheduler.py `create_requests_with_priority`: prompt
+    [i + starting_idx] * num_tokens, arrival times 0.0, 1.0, ... unless given, EOS 50256."""
+    assert len(priorities) == num_requests
+    if arrival_times is None:
+        arrival_times = [float(i) for i in range(num_requests)]
+    if req_ids is None:
+        req_ids = [f"{i + starting_idx}" for i in range(num_requests)]
+    return [helpers.make_request(req_ids[i], [i + starting_idx] * num_tokens,
+                                 max_tokens=max_tokens, eos_token_ids={EOS_TOKEN_ID},
+                                 priority=priorities[i], arrival_time=arrival_times[i])
+            for i in range(num_requests)]
 
 
 def runner_output(out, token=1000) -> ModelRunnerOutput:

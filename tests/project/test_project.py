@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvlab.workbook import chapters
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,7 +55,7 @@ def test_ci_runs_the_readme_test_commands():
 
 
 def test_notebooks_are_committed_executed_and_clean():
-    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = chapters.notebook_paths(ROOT)
     assert len(notebooks) >= 2
     for path in notebooks:
         nb = json.loads(path.read_text())
@@ -180,8 +182,8 @@ def _make_print_python(tmp_path, names: list[str]) -> str:
 
 
 def test_make_finds_any_python_from_3_10(tmp_path):
-    """`make lab` used to look for python3.11 only, so on Ubuntu 24.04 (3.12) or Debian 13 and
-    Homebrew (3.13) its first line failed."""
+    """`make` takes the first Python >= 3.10 it finds, 3.13 alone (Debian 13, Homebrew) and 3.12
+    alone (Ubuntu 24.04) included, and finds none when none is on PATH."""
     assert _make_print_python(tmp_path / "a", ["python3.13"]) == "python3.13"
     assert _make_print_python(tmp_path / "b", ["python3.12", "python3.13"]) == "python3.12"
     assert _make_print_python(tmp_path / "c", ["python3"]) == "python3"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.workbook import chapters
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.33.0"
 LIST = ROOT / "tests" / "data" / "vllm_paths.txt"
@@ -60,7 +62,7 @@ def test_every_listed_path_exists_in_the_vllm_wheel():
 
 
 # ---- the quoted lines ------------------------------------------------------------------------
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = chapters.notebook_paths(ROOT)
 FENCE_RE = re.compile(r"```(?:python)?\n(.*?)```", re.S)
 # A blockquote of one backticked line of code, then the file it comes from on the next line.
 QUOTE_RE = re.compile(r"^\s*> `(.+)`\s*\n\s*> \(`(vllm/[A-Za-z0-9_/]+\.py)`", re.M)

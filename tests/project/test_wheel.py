@@ -19,8 +19,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from kvlab.workbook import chapters
+
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("0[0-9]_*.ipynb"))
+NOTEBOOKS = chapters.notebook_paths(ROOT)
 MAKEFILE = (ROOT / "Makefile").read_text()
 
 

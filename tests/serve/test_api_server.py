@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -15,7 +14,8 @@ from tests.helpers import wait_idle
 
 from kvlab import LLM, SamplingParams
 from kvlab.bench.stream_client import run_benchmark
-from kvlab.serve.api_server import SUPPORTED_FIELDS, UNSUPPORTED_FIELDS, BackgroundServer
+from kvlab.serve import BackgroundServer
+from kvlab.serve.protocol import SUPPORTED_FIELDS, UNSUPPORTED_FIELDS
 
 
 @pytest.fixture(scope="module")
@@ -602,7 +602,7 @@ def test_unknown_field_is_refused_by_name(server, chat, field, hint):
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"skip_special_tokens": 1}, "skip_special_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream (vLLM)
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "continuous_usage"),
     ({"stream": True, "stream_options": {"inclde_usage": True}}, "inclde_usage"),
     ({"logprobs": True}, "integer"),  # completions: a count, not a bool
     ({"logprobs": 21}, "between 0 and 20"),

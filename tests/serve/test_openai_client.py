@@ -19,7 +19,7 @@ import torch
 from tests.helpers import assert_no_blocks_held, wait_idle
 
 from kvlab import LLM, SamplingParams
-from kvlab.serve.api_server import BackgroundServer
+from kvlab.serve import BackgroundServer
 
 openai = pytest.importorskip("openai")
 

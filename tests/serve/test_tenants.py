@@ -22,7 +22,7 @@ import pytest
 from tests.helpers import wait_idle
 
 from kvlab import LLM
-from kvlab.serve.api_server import BackgroundServer, build_app
+from kvlab.serve import BackgroundServer, build_app
 from kvlab.serve.tenants import TenantKeys, parse_api_keys, tenant_salt
 
 KEY_A1, KEY_A2, KEY_B = (secrets.token_urlsafe(32) for _ in range(3))

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.workbook import exercises
+from kvlab.workbook import chapters, exercises
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
-BUILD_CHAPTERS = sorted(NOTEBOOKS.glob("0[0-68]_*.ipynb"))
-ALL_CHAPTERS = sorted(NOTEBOOKS.glob("0[0-9]_*.ipynb"))
+BUILD_CHAPTERS = chapters.notebook_paths(ROOT, chapters.with_exercises())
+ALL_CHAPTERS = chapters.notebook_paths(ROOT)
 # A line of Python source: what kvlab.show or exercises.solution print.
 SOURCE_LINE = re.compile(r"^\s*(def|class) \w+.*[:(]", re.MULTILINE)
 
@@ -63,7 +63,7 @@ def test_each_exercise_is_its_stub_then_its_check_then_its_comparison(name):
 
 @pytest.mark.parametrize("path", BUILD_CHAPTERS, ids=lambda p: p.stem)
 def test_committed_chapters_show_no_kvlab_source_before_it_is_asked_for(path):
-    """No visible output of chapters 00-06 and 08 prints a function or class (kvlab.show, a
+    """No visible output of a chapter with exercises prints a function or class (kvlab.show, a
     solution, a comparison's answer); a folded output may, since opening it is asking."""
     for i, cell in enumerate(cells(path)):
         if cell["cell_type"] != "code":
@@ -162,9 +162,10 @@ def test_each_glossary_term_is_defined_in_bold_in_its_first_chapter(term, chapte
 
 
 def test_solved_notebooks_replace_every_stub_with_an_answer_that_passes(tmp_path):
-    """The instructor's copies come from kvlab.workbook.exercises: every stub cell of chapters 00-06 and 08
-    becomes its solution, nothing else changes but the outputs, and each solution cell,
-    executed on its own, defines code that passes its exercise's fast cases."""
+    """The instructor's copies come from kvlab.workbook.exercises: every stub cell of each
+    chapter with exercises becomes its solution, one copy per such chapter, nothing else
+    changes but the outputs, and each solution cell, executed on its own, defines code that
+    passes its exercise's fast cases."""
     spec_path = ROOT / "scripts" / "solved_notebooks.py"
     import importlib.util
 
@@ -172,6 +173,7 @@ def test_solved_notebooks_replace_every_stub_with_an_answer_that_passes(tmp_path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(["--out", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in BUILD_CHAPTERS)
     solved_names = []
     for path in BUILD_CHAPTERS:
         original = cells(path)

@@ -4,6 +4,7 @@ code, they fail wrong code with a report that names the case, and they never rai
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import inspect
 import io
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlab.workbook import exercises
+from kvlab.workbook import chapters, exercises
 from kvlab.workbook.exercises._report import run_check
 from kvlab.prefix_cache import hash_block_tokens
 
@@ -263,13 +264,28 @@ ALTERNATIVES = {
 
 
 # ---- the registry --------------------------------------------------------------------------------
-def test_every_chapter_00_to_06_has_an_exercise_under_its_notebook_stem():
-    stems = {p.stem for p in (ROOT / "notebooks").glob("0[0-68]_*.ipynb")}
-    assert len(stems) == 8
-    chapters = {ex.chapter for ex in exercises.EXERCISES.values()}
-    assert chapters == stems
-    for stem in stems:
-        assert exercises.by_chapter(stem)
+def test_the_registry_holds_what_the_chapter_index_lists_in_chapter_order():
+    """EXERCISES holds what kvlab/workbook/chapters.py lists, chapter by chapter (builds, then
+    challenges), and by_chapter gives each notebook's back by its stem."""
+    assert list(exercises.EXERCISES) == [n for c in chapters.chapters() for n in c.exercises]
+    for chapter in chapters.chapters():
+        assert [ex.name for ex in exercises.by_chapter(chapter.stem)] == list(chapter.exercises)
+        for kind, modules in (("build", chapter.builds), ("challenge", chapter.challenges)):
+            for names in modules.values():
+                assert {exercises.EXERCISES[n].kind for n in names} <= {kind}, names
+    assert {c.stem for c in chapters.with_exercises()} == {
+        ex.chapter for ex in exercises.EXERCISES.values()}
+
+
+def test_every_exercise_a_module_defines_is_in_the_chapter_index():
+    """No module of kvlab.workbook.exercises defines an exercise the index leaves out (it would
+    be in no notebook's registry), and the modules the index names are the ch*.py files there."""
+    modules = {m for c in chapters.chapters() for m in c.exercise_modules}
+    on_disk = {p.stem for p in (ROOT / "kvlab" / "workbook" / "exercises").glob("ch*.py")}
+    assert modules == on_disk
+    for module in modules:
+        defined = importlib.import_module(f"kvlab.workbook.exercises.{module}").EXERCISES
+        assert all(exercises.EXERCISES.get(ex.name) is ex for ex in defined), module
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -288,7 +304,7 @@ def test_exercise_record_is_complete(name):
 
 
 # The reasons a real-model timing case gives when this machine's pace made it unjudgeable
-# (kvlab/workbook/exercises: ch06_cache_salt and challenges raise Skip with them).
+# (kvlab/workbook/exercises: ch04_chunk_budget and ch06_cache_salt raise Skip with them).
 MACHINE_BUSY = ("timings were too noisy", "the machine was busy", "speed changed during the check")
 
 

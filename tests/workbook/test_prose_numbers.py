@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.workbook import cited
+from kvlab.workbook import chapters, cited
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAPTERS = sorted((ROOT / "notebooks").glob("0[0-9]_*.ipynb"))
+CHAPTERS = chapters.notebook_paths(ROOT)
 # A number, with its thousands commas; "9.2x" counts, "Qwen3-1.7B" and "135M" (names) do not.
 NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?![^\W\dx]|x\w|[.,]\d)")
 NOT_NUMBERS = [

@@ -24,11 +24,11 @@ import nbformat
 import pytest
 from tests.workbook.labserver import running_jupyterlab
 
-from kvlab.workbook import session
+from kvlab.workbook import chapters, session
 from kvlab.workbook.session import sized
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("0[0-9]_*.ipynb"))
+NOTEBOOKS = chapters.notebook_paths(ROOT)
 NEWS_PLUGIN = "@jupyterlab/apputils-extension:notification"
 
 
@@ -246,7 +246,7 @@ import json, sys, threading, urllib.request
 import ipywidgets
 import kvlab
 from kvlab import LLM, SamplingParams
-from kvlab.serve.api_server import BackgroundServer
+from kvlab.serve import BackgroundServer
 from kvlab.workbook.session import release
 
 llm = LLM(max_model_len=64)

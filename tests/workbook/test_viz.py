@@ -315,7 +315,7 @@ def test_figures_say_what_their_marks_mean():
                      "free, no prefix key", "in use by a request"]
     plt.close(ax.figure)
 
-    from kvlab.workbook.viz import precision
+    from kvlab.workbook.viz import precision_plots
     kl_rows = [{"kv_cache_dtype": d, "requests_fit": n, "request_len": 512,
                 "kv_cache_memory_bytes": 2**26, "bytes_per_token": b, "mean_kl": kl}
                for d, n, b, kl in (("auto", 2, 46080, 0.0), ("bfloat16", 5, 23040, 2.9e-5),

@@ -34,39 +34,44 @@ Challenges (kind "challenge": a decision, measured on the real model against the
     05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
     06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
     08 kv_precision        a kv_cache_dtype and a pool in bytes for a burst, within a KL bound
+
+Which chapter holds which exercise, and the module that defines it (chNN_*.py here, one per
+build or challenge topic), is the chapter index's to say: kvlab/workbook/chapters.py.
 """
 
 from __future__ import annotations
 
-from kvlab.workbook.exercises import (
-    challenges,
-    challenges_pool,
-    ch00_attention,
-    ch01_block_pool,
-    ch01_paged_attention,
-    ch02_copy_on_write,
-    ch03_scheduling,
-    ch04_chunked_prefill,
-    ch05_prefix_caching,
-    ch06_cache_salt,
-    ch08_kv_precision,
-)
+import importlib
+
+from kvlab.workbook import chapters
 from kvlab.workbook.exercises._common import Case, Exercise, IdPool, Mismatch, RequestView
 from kvlab.workbook.exercises._compare import Comparison
 from kvlab.workbook.exercises._report import CheckResult
 
-EXERCISES: dict[str, Exercise] = {
-    ex.name: ex
-    for group in (ch00_attention.EXERCISES, ch01_block_pool.EXERCISES,
-                  ch01_paged_attention.EXERCISES, challenges_pool.EXERCISES_01,
-                  ch02_copy_on_write.EXERCISES, challenges_pool.EXERCISES_02,
-                  ch03_scheduling.EXERCISES, challenges.EXERCISES_03,
-                  ch04_chunked_prefill.EXERCISES, challenges.EXERCISES_04,
-                  ch05_prefix_caching.EXERCISES,
-                  challenges.EXERCISES_05, ch06_cache_salt.EXERCISES, challenges.EXERCISES_06,
-                  ch08_kv_precision.EXERCISES)
-    for ex in group
-}
+
+def _registry() -> dict[str, Exercise]:
+    """Every exercise the chapter index (kvlab/workbook/chapters.py) lists, in chapter order,
+    each taken from the module the index names for it."""
+    registry: dict[str, Exercise] = {}
+    for chapter in chapters.chapters():
+        for kind, modules in (("build", chapter.builds), ("challenge", chapter.challenges)):
+            for module, names in modules.items():
+                defined = {ex.name: ex for ex in
+                           importlib.import_module(f"{__name__}.{module}").EXERCISES}
+                for name in names:
+                    ex = defined.get(name)
+                    # The index and the modules must agree, or a notebook's check would be
+                    # missing or silently another one: say which entry is wrong, at import.
+                    if ex is None or ex.kind != kind or ex.chapter != chapter.stem:
+                        raise ImportError(
+                            f"kvlab/workbook/chapters.py lists {kind} {name!r} of chapter "
+                            f"{chapter.number} in {module}.py, which defines "
+                            f"{[(e.name, e.kind, e.chapter) for e in defined.values()]}")
+                    registry[name] = ex
+    return registry
+
+
+EXERCISES: dict[str, Exercise] = _registry()
 
 
 def _get(name: str) -> Exercise:

@@ -13,16 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvlab.block_pool import BlockPool
-
-
-class Mismatch(Exception):
-    """A case saw the wrong behaviour. `expected` and `got` are short phrases."""
-
-    def __init__(self, expected: str, got: str, detail: str = "") -> None:
-        super().__init__(f"expected {expected}, got {got}")
-        self.expected = expected
-        self.got = got
-        self.detail = detail
+from kvlab.workbook.exercises._outcomes import Mismatch, Skip  # noqa: F401  (the exercises import both from here)
 
 
 def positive_int(value, expected: str = "an int >= 1") -> int:
@@ -30,10 +21,6 @@ def positive_int(value, expected: str = "an int >= 1") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise Mismatch(expected, repr(value))
     return value
-
-
-class Skip(Exception):
-    """A case that cannot judge anyone here (e.g. timings too noisy on this machine)."""
 
 
 @dataclass

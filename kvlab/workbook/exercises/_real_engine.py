@@ -1,6 +1,11 @@
 """The real-model half of a check: a fresh small engine with the participant's piece plugged in,
 run side by side with kvlab's own engine on the same requests.
 
+A piece is plugged in by configuration, as vLLM plugs in a scheduler (`scheduler_cls`): the
+engine is built with the participant's class (`LLM(scheduler_cls=..., kv_cache_manager_cls=...)`,
+the class made by `with_attrs`), and each step's decision is recorded by an observer
+(`ScheduleRecorder`, kvlab/step_log.py), not by patching the engine after it was built.
+
 Each check builds its own engines (the weights are loaded once per process and shared, so this
 costs about a second the first time and milliseconds after), so wrong code can never disturb an
 engine the notebook holds. kvlab's own results are computed once per process and kept.
@@ -16,6 +21,7 @@ import torch
 
 from kvlab.workbook.exercises._common import Mismatch, short
 from kvlab.sampling import RequestOutputKind, SamplingParams
+from kvlab.step_log import StepObserver
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY)
@@ -59,29 +65,14 @@ def new_engine(**llm_kwargs):
     return LLM(**llm_kwargs).llm_engine
 
 
-def make_manager(cls, config, **attrs):
-    """A KV cache manager of class `cls` with an engine config's sizes."""
-    manager = cls(config.num_blocks, config.block_size, config.max_model_len,
-                  config.enable_prefix_caching, config.prefix_caching_hash_algo,
-                  enable_kv_cache_events=True)
-    for key, value in attrs.items():
-        setattr(manager, key, value)
-    return manager
-
-
-def install_manager(engine, manager) -> None:
-    """Swap a fresh engine's KV cache manager (before any request is added). The model runner
-    reads block tables from each step's SchedulerOutput, so only the engine and the scheduler
-    hold the manager."""
-    engine.kv_cache_manager = manager
-    engine.scheduler.kv_cache_manager = manager
-
-
-def install_scheduler(engine, cls, **attrs) -> None:
-    scheduler = cls(engine.config, engine.kv_cache_manager)
-    for key, value in attrs.items():
-        setattr(scheduler, key, value)
-    engine.scheduler = scheduler
+def with_attrs(cls, **attrs):
+    """A subclass of `cls` whose instances start with `attrs` (the participant's function as
+    `impl`), to hand the engine as its scheduler_cls or kv_cache_manager_cls. A callable becomes
+    a static method, so `self.impl(...)` calls it exactly as given."""
+    body = {key: staticmethod(value) if callable(value) else value
+            for key, value in attrs.items()}
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, **body})
 
 
 @dataclass
@@ -91,25 +82,22 @@ class Run:
     trace: list[tuple[dict[str, int], list[str]]] = field(default_factory=list)
 
 
-def record_schedule(engine, trace: list) -> None:
-    """Record each step's decision: {request: new tokens}, and who was preempted."""
-    scheduler = engine.scheduler
-    schedule = scheduler.schedule
+class ScheduleRecorder(StepObserver):
+    """Records each step's decision: ({request: new tokens}, [who was preempted])."""
 
-    def recording_schedule():
-        out = schedule()
-        trace.append(({r.request_id: n for r, n in out.scheduled},
-                      [r.request_id for r in out.preempted]))
-        return out
+    def __init__(self, trace: list) -> None:
+        self.trace = trace
 
-    scheduler.schedule = recording_schedule
+    def on_schedule(self, engine, scheduler_output) -> None:
+        self.trace.append(({r.request_id: n for r, n in scheduler_output.scheduled},
+                           [r.request_id for r in scheduler_output.preempted]))
 
 
 def run(engine, batches, max_steps: int = 400) -> Run:
     """Add each batch of (request_id, prompt, params) once the previous one has finished, and
     step until all are done. An engine that stops making progress fails, it does not hang."""
     result = Run()
-    record_schedule(engine, result.trace)
+    engine.add_observer(ScheduleRecorder(result.trace))
     for batch in batches:
         for request_id, prompt, params in batch:
             engine.add_request(request_id, prompt, params)
@@ -124,7 +112,7 @@ def run(engine, batches, max_steps: int = 400) -> Run:
             try:
                 outs = engine.step()
             except AssertionError as e:  # debug_checks: the pool's check after every step
-                raise Mismatch(f"the KV cache's bookkeeping to hold after every step",
+                raise Mismatch("the KV cache's bookkeeping to hold after every step",
                                f"after step {engine.num_steps} it does not: {e}") from None
             for out in outs:
                 if out.finished:
@@ -154,14 +142,17 @@ def reference_workload(key: str, engine_kwargs: dict, batches, must=None,
     return reference_run(key, make)
 
 
-def run_with(engine_kwargs: dict, batches, install):
-    """The same workload in a fresh engine with the participant's piece installed by
-    `install(engine)`; returns (engine, run) for the comparisons and the bookkeeping check."""
+def run_with(engine_kwargs: dict, batches, install=None, **pieces):
+    """The same workload in a fresh engine built with the participant's piece: `pieces` are
+    more LLM(...) arguments (scheduler_cls=..., kv_cache_manager_cls=...), and `install(engine)`
+    plugs in what the engine takes after it is built (an attention backend). Returns
+    (engine, run) for the comparisons and the bookkeeping check."""
     with one_thread():
         # debug_checks: the pool's full check after every step, so a broken piece is caught
         # at the step that broke it, not at the end of the run.
-        engine = new_engine(**engine_kwargs, debug_checks=True)
-        install(engine)
+        engine = new_engine(**engine_kwargs, **pieces, debug_checks=True)
+        if install is not None:
+            install(engine)
         return engine, run(engine, batches())
 
 

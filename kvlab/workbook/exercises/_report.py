@@ -17,8 +17,12 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvlab.workbook.exercises._common import Exercise, Mismatch, Skip
+from kvlab.workbook.exercises._outcomes import Mismatch, Skip
+
+if TYPE_CHECKING:  # only a type here: _common imports this module to run a check
+    from kvlab.workbook.exercises._common import Exercise
 
 FAST_TIMEOUT_S = 20.0  # a case without the real model; past this it is an endless loop
 REAL_TIMEOUT_S = 300.0  # a case that runs the real model

@@ -214,6 +214,17 @@ def _random_scripts(impl) -> None:
         _script(impl, num_blocks, ops, title=f"(random script {trial}) ")
 
 
+class _ParticipantPoolManager(KVCacheManager):
+    """kvlab's KVCacheManager over the participant's block pool (`impl(num_blocks)`, wrapped in
+    a `_ParticipantPool`): the engine builds it as its kv_cache_manager_cls."""
+
+    impl = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.block_pool = _ParticipantPool(self.impl(self.num_blocks), self.num_blocks)
+
+
 class _ParticipantPool(BlockPool):
     """kvlab's BlockPool, with every decision taken by the participant's pool.
 
@@ -290,11 +301,9 @@ def _pool_real_model(impl) -> None:
     expected = _real_engine.reference_workload("tight_pool", _TIGHT, _tight_batches, _preempts,
                                           "the workload no longer preempts")
 
-    def install(engine):
-        manager = engine.kv_cache_manager
-        manager.block_pool = _ParticipantPool(impl(manager.num_blocks), manager.num_blocks)
-
-    engine, got = _real_engine.run_with(_TIGHT, _tight_batches, install)
+    engine, got = _real_engine.run_with(
+        _TIGHT, _tight_batches,
+        kv_cache_manager_cls=_real_engine.with_attrs(_ParticipantPoolManager, impl=impl))
     _real_engine.compare_tokens(expected, got, "your block pool")
     _real_engine.check_bookkeeping(engine)
 
@@ -487,9 +496,9 @@ def _tight_batches_n1():
 def _allocate_real_model(impl) -> None:
     expected = _real_engine.reference_workload("tight_pool_n1", _TIGHT, _tight_batches_n1,
                                           _preempts, "the workload no longer preempts")
-    engine, got = _real_engine.run_with(_TIGHT, _tight_batches_n1, lambda engine: (
-        _real_engine.install_manager(engine, _real_engine.make_manager(
-            _ParticipantAllocateManager, engine.config, impl=impl))))
+    engine, got = _real_engine.run_with(
+        _TIGHT, _tight_batches_n1,
+        kv_cache_manager_cls=_real_engine.with_attrs(_ParticipantAllocateManager, impl=impl))
     _real_engine.compare_tokens(expected, got, "your allocate_slots")
     _real_engine.compare_traces(expected, got, "with your allocate_slots the engine")
     _real_engine.check_bookkeeping(engine)

@@ -131,9 +131,9 @@ def _real_model(manager_cls):
             "forked_samples", _ENGINE, _batches,
             lambda engine, _run: engine.kv_cache_manager.num_cow_copies > 0,
             "the workload no longer copies")
-        engine, got = _real_engine.run_with(_ENGINE, _batches, lambda engine: (
-            _real_engine.install_manager(engine, _real_engine.make_manager(manager_cls, engine.config,
-                                                                 impl=impl))))
+        engine, got = _real_engine.run_with(
+            _ENGINE, _batches,
+            kv_cache_manager_cls=_real_engine.with_attrs(manager_cls, impl=impl))
         _real_engine.compare_tokens(expected, got, "your code")
         _real_engine.check_bookkeeping(engine)
     return run

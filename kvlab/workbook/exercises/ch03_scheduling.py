@@ -254,8 +254,9 @@ def _real_model(impl) -> None:
         "schedule", _ENGINE, _batches,
         lambda engine, _run: engine.scheduler.num_preemptions > 0,
         "the workload no longer preempts")
-    engine, got = _real_engine.run_with(_ENGINE, _batches, lambda engine: (
-        _real_engine.install_scheduler(engine, _ParticipantScheduler, impl=impl)))
+    engine, got = _real_engine.run_with(
+        _ENGINE, _batches,
+        scheduler_cls=_real_engine.with_attrs(_ParticipantScheduler, impl=impl))
     _real_engine.compare_traces(expected, got, "yours")
     _real_engine.compare_tokens(expected, got, "your scheduler")
     _real_engine.check_bookkeeping(engine)

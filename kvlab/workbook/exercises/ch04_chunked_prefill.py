@@ -144,8 +144,9 @@ def _batches():
 
 def _real_model(impl) -> None:
     expected = _real_engine.reference_workload("chunked_prefill", _ENGINE, _batches)
-    engine, got = _real_engine.run_with(_ENGINE, _batches, lambda engine: (
-        _real_engine.install_scheduler(engine, _ParticipantChunkScheduler, impl=impl)))
+    engine, got = _real_engine.run_with(
+        _ENGINE, _batches,
+        scheduler_cls=_real_engine.with_attrs(_ParticipantChunkScheduler, impl=impl))
     _real_engine.compare_traces(expected, got, "yours")
     _real_engine.compare_tokens(expected, got, "your budget split")
     _real_engine.check_bookkeeping(engine)

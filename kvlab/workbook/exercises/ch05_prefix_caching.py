@@ -215,9 +215,9 @@ def _real_model(manager_cls):
         expected = _real_engine.reference_workload(
             "prefix_cache", _ENGINE, _batches,
             lambda _e, out: out.cached["doc-a-again"] > 0 and out.cached["doc-b"] == 0)
-        engine, got = _real_engine.run_with(_ENGINE, _batches, lambda engine: (
-            _real_engine.install_manager(engine, _real_engine.make_manager(manager_cls, engine.config,
-                                                                 impl=impl))))
+        engine, got = _real_engine.run_with(
+            _ENGINE, _batches,
+            kv_cache_manager_cls=_real_engine.with_attrs(manager_cls, impl=impl))
         _compare_cached(expected, got)
         _real_engine.compare_tokens(expected, got, "your code")
         _real_engine.check_bookkeeping(engine)

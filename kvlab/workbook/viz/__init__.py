@@ -14,15 +14,15 @@ be drawn in a test without a browser. Each chapter's figures sit where that chap
 """
 
 from kvlab.workbook.viz.axes import GIB, format_bytes, log_axis
-from kvlab.workbook.viz.bench import plot_api_run, plot_peers, plot_roofline_sweep, plot_serve_peers
+from kvlab.workbook.viz.bench_plots import plot_api_run, plot_peers, plot_roofline_sweep, plot_serve_peers
 from kvlab.workbook.viz.snapshot import (COPY_EDGE, DECODE_COLOUR, MAX_EVENTS_DRAWN, PREFILL_COLOUR,
                                 SHARED_COLOUR, draw_snapshot, format_queues)
-from kvlab.workbook.viz.memory import (block_size_summary, draw_memory_map, format_block_tables,
+from kvlab.workbook.viz.memory_plots import (block_size_summary, draw_memory_map, format_block_tables,
                               plot_block_size_tradeoff, plot_blocks_per_step, plot_cow_savings,
                               plot_kv_memory, plot_no_cache, plot_parallel_sampling, plot_sim)
-from kvlab.workbook.viz.prefix import (draw_free_queue, format_hash_chain, free_queue_snapshot,
+from kvlab.workbook.viz.prefix_plots import (draw_free_queue, format_hash_chain, free_queue_snapshot,
                               plot_cold_warm_ttft, plot_prefix_hits, plot_ttft_attack)
-from kvlab.workbook.viz.scheduling import (plot_capacity, plot_concurrency, plot_gantt, plot_gap_vs_budget,
+from kvlab.workbook.viz.scheduling_plots import (plot_capacity, plot_concurrency, plot_gantt, plot_gap_vs_budget,
                                   plot_stall)
 
 __all__ = [

@@ -12,7 +12,7 @@ from matplotlib.transforms import offset_copy
 
 from kvlab.workbook.explorer import CACHED, EngineSnapshot, FREE, HELD, SHARED
 from kvlab.workbook.viz.axes import _colour
-from kvlab.workbook.viz.memory import format_block_tables
+from kvlab.workbook.viz.memory_plots import format_block_tables
 
 
 SHARED_COLOUR = "#37474f"  # a shared block belongs to several requests: no one request's colour
@@ -99,9 +99,27 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     """
     n = len(snap.blocks)
     columns = 16 if n <= 64 else 32
-    small = columns == 16
     rows = -(-n // columns)
+    left, right = _queue_and_table_lines(snap), _event_lines(snap)
+    states, labels = _legend_entries(snap)
+    # The numbers left of the grid: each row's first block id (blocks count left to right).
+    states.append(Line2D([], [], ls="none"))
+    labels.append(f"0, {columns}, ...: the row's first block id")
+    fig, ax_pool, ax_budget, ax_text, strip = _layout(rows, columns, len(states),
+                                                      max(len(left), len(right)))
+    for b in snap.blocks:
+        _draw_block(ax_pool, snap, b, columns, rows)
+    _finish_pool(ax_pool, snap, columns, rows, strip, (states, labels), title)
+    _draw_budget(ax_budget, snap)
+    ax_text.axis("off")
+    _text_lines(ax_text, 0, left)
+    _text_lines(ax_text, 0.6, right)
+    return fig
 
+
+def _queue_and_table_lines(snap: EngineSnapshot) -> list[tuple[str, object]]:
+    """The text's left column: the key to the queue lines, the queues, then the block tables,
+    each in its request's colour."""
     black = "black"
     left = [("a [k/n tokens in KV, i/m out]: K/V written for k of request a's n tokens;", "0.35"),
             ("    i of its m new tokens made", "0.35")]
@@ -114,6 +132,12 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
                      _block_colour(snap, rid)))
     if not snap.block_tables:
         left.append(("(none)", black))
+    return left
+
+
+def _event_lines(snap: EngineSnapshot) -> list[tuple[str, object]]:
+    """The text's right column: the step's last MAX_EVENTS_DRAWN events."""
+    black = "black"
     events = snap.events[-MAX_EVENTS_DRAWN:]
     right = [("events", black)]
     if len(snap.events) > len(events):
@@ -122,59 +146,67 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
               for line in textwrap.wrap(str(e), 56, subsequent_indent="    ")]
     if not events:
         right.append(("(none)", black))
+    return right
 
-    states, labels = _legend_entries(snap)
-    # The numbers left of the grid: each row's first block id (blocks count left to right).
-    states.append(Line2D([], [], ls="none"))
-    labels.append(f"0, {columns}, ...: the row's first block id")
-    legend_rows = -(-len(states) // 3)
-    # The strip below the grid that holds the legend, in the grid's units (a block is one):
-    # a legend row of 8.5-point type is about 0.18 inch, and a unit 0.42 or 0.27 inch.
+
+def _layout(rows: int, columns: int, legend_entries: int, text_lines: int):
+    """The figure and its three axes (pool, budget, text), each as tall as what it holds, and
+    the height of the legend's strip below the grid, in the grid's units (a block is one)."""
+    small = columns == 16
+    legend_rows = -(-legend_entries // 3)
+    # A legend row of 8.5-point type is about 0.18 inch, and a unit 0.42 or 0.27 inch.
     strip = 0.3 + legend_rows * (0.45 if small else 0.7)
-    heights = [(rows + strip) * (0.42 if small else 0.27), 0.5,
-               0.155 * max(len(left), len(right)) + 0.1]
+    heights = [(rows + strip) * (0.42 if small else 0.27), 0.5, 0.155 * text_lines + 0.1]
     fig = plt.figure(figsize=(10, sum(heights) + 0.9))
     grid = fig.add_gridspec(3, 1, height_ratios=heights, hspace=0.5, left=0.02, right=0.98,
                             top=0.94, bottom=0.02)
     ax_pool, ax_budget, ax_text = (fig.add_subplot(grid[i]) for i in range(3))
+    return fig, ax_pool, ax_budget, ax_text, strip
 
-    for b in snap.blocks:
-        x, y = b.block_id % columns, rows - 1 - b.block_id // columns
-        state, gid = b.state, f"block-{b.block_id}"
-        edge, lw = (COPY_EDGE, 2.5) if b.just_copied else ("0.4", 0.6)
-        if state == FREE:
-            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc="white", ec="0.75", lw=0.6, gid=gid))
-        elif state == CACHED:
-            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc="0.88", ec="0.4", lw=0.8, ls=":",
-                                        hatch="..", gid=gid))
-        elif state == SHARED:
-            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc=SHARED_COLOUR, ec=edge, lw=lw,
-                                        gid=gid))
-            ax_pool.text(x + 0.45, y + 0.45, f"x{b.ref_cnt}", ha="center", va="center",
-                         color="white", fontsize=7 if small else 5, fontweight="bold")
-        else:
-            c = _block_colour(snap, b.owners[0])
-            ax_pool.add_patch(Rectangle((x, y), 0.9, 0.9, fc=(*c[:3], 0.3), ec=edge, lw=lw,
-                                        hatch="////", gid=gid))
-            ax_pool.add_patch(Rectangle((x, y), 0.9 * b.num_filled / snap.block_size, 0.9,
-                                        fc=c, ec="none"))
-        if b.key is not None:  # keyed: findable by the prefix cache
-            ax_pool.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
-                         color="white" if state == SHARED else "black")
-        if small and state != SHARED:
-            # The id sits in the block's lower left: over the solid part once a third of the
-            # block holds K/V, else over the pale part (the colour at 30% on white: light).
-            under = (_block_colour(snap, b.owners[0])
-                     if state == HELD and 3 * b.num_filled >= snap.block_size else (1, 1, 1))
-            ax_pool.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color=_ink_on(under))
+
+def _draw_block(ax, snap: EngineSnapshot, b, columns: int, rows: int) -> None:
+    """One block of the grid, as the docstring of draw_snapshot describes its states."""
+    small = columns == 16
+    x, y = b.block_id % columns, rows - 1 - b.block_id // columns
+    state, gid = b.state, f"block-{b.block_id}"
+    edge, lw = (COPY_EDGE, 2.5) if b.just_copied else ("0.4", 0.6)
+    if state == FREE:
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc="white", ec="0.75", lw=0.6, gid=gid))
+    elif state == CACHED:
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc="0.88", ec="0.4", lw=0.8, ls=":",
+                               hatch="..", gid=gid))
+    elif state == SHARED:
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc=SHARED_COLOUR, ec=edge, lw=lw, gid=gid))
+        ax.text(x + 0.45, y + 0.45, f"x{b.ref_cnt}", ha="center", va="center",
+                color="white", fontsize=7 if small else 5, fontweight="bold")
+    else:
+        c = _block_colour(snap, b.owners[0])
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc=(*c[:3], 0.3), ec=edge, lw=lw,
+                               hatch="////", gid=gid))
+        ax.add_patch(Rectangle((x, y), 0.9 * b.num_filled / snap.block_size, 0.9,
+                               fc=c, ec="none"))
+    if b.key is not None:  # keyed: findable by the prefix cache
+        ax.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
+                color="white" if state == SHARED else "black")
+    if small and state != SHARED:
+        # The id sits in the block's lower left: over the solid part once a third of the
+        # block holds K/V, else over the pale part (the colour at 30% on white: light).
+        under = (_block_colour(snap, b.owners[0])
+                 if state == HELD and 3 * b.num_filled >= snap.block_size else (1, 1, 1))
+        ax.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color=_ink_on(under))
+
+
+def _finish_pool(ax, snap: EngineSnapshot, columns: int, rows: int, strip: float, legend,
+                 title: str | None) -> None:
+    """The grid's row numbers, its frame and title (the counts of the states on screen), and
+    its legend in the strip right under it."""
     for r in range(rows):
-        ax_pool.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
-                     fontsize=6, color="0.3")
-
-    ax_pool.set_xlim(-1, columns)
-    ax_pool.set_ylim(-strip, rows)  # the strip below the grid holds the legend
-    ax_pool.set_aspect("equal")
-    ax_pool.axis("off")
+        ax.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
+                fontsize=6, color="0.3")
+    ax.set_xlim(-1, columns)
+    ax.set_ylim(-strip, rows)  # the strip below the grid holds the legend
+    ax.set_aspect("equal")
+    ax.axis("off")
     # Counts of the states on screen only (held and free always), like the legend below.
     counts = ", ".join(f"{snap.count(s)} {s}" for s in (HELD, SHARED, CACHED, FREE)
                        if s in (HELD, FREE) or snap.count(s))
@@ -182,36 +214,35 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     precision = ("" if snap.kv_cache_dtype == "auto" else
                  f", kv_cache_dtype {snap.kv_cache_dtype}: {snap.kv_bytes_per_token:,} bytes/token"
                  f" x {snap.block_size} a block, {len(snap.blocks)} blocks")
-    ax_pool.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
-                      f"{snap.block_size}{precision}): {counts}", fontsize=9)
+    ax.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
+                 f"{snap.block_size}{precision}): {counts}", fontsize=9)
+    states, labels = legend
     # Large enough for a projector: at most three entries a row.
     # Right under the grid, so that no empty band separates the blocks from their key.
-    ax_pool.legend(states, labels, fontsize=8.5, loc="upper center",
-                   bbox_to_anchor=(0.5, (strip - 0.1) / (rows + strip)),
-                   ncol=min(len(states), 3), frameon=False, handlelength=1.6,
-                   borderaxespad=0.1, handler_map={tuple: HandlerTuple(ndivide=2, pad=0)})
+    ax.legend(states, labels, fontsize=8.5, loc="upper center",
+              bbox_to_anchor=(0.5, (strip - 0.1) / (rows + strip)),
+              ncol=min(len(states), 3), frameon=False, handlelength=1.6,
+              borderaxespad=0.1, handler_map={tuple: HandlerTuple(ndivide=2, pad=0)})
 
+
+def _draw_budget(ax, snap: EngineSnapshot) -> None:
+    """The last step's token budget as one bar: decode (black), prefill (hatched), unused."""
     budget, dec, pre = snap.token_budget, snap.num_decode_tokens, snap.num_prefill_tokens
     unused = max(budget - dec - pre, 0)
     # A used part is at least a sliver wide, so one decode token shows in a budget of 8,192.
     sliver = 0.006 * max(budget, dec + pre, 1)
     w_dec, w_pre = (max(n, sliver) if n else 0 for n in (dec, pre))
-    ax_budget.barh([0], [w_dec], height=0.6, color=DECODE_COLOUR, gid="budget-decode")
-    ax_budget.barh([0], [w_pre], left=[w_dec], height=0.6, color=PREFILL_COLOUR, ec="black",
-                   hatch="////", lw=0.6, gid="budget-prefill")
-    ax_budget.barh([0], [max(unused - (w_dec - dec) - (w_pre - pre), 0)], left=[w_dec + w_pre],
-                   height=0.6, color="white", ec="0.6", gid="budget-unused")
-    ax_budget.set_xlim(0, max(budget, dec + pre, 1))
-    ax_budget.set_ylim(-0.5, 0.5)
-    ax_budget.set_yticks([])
-    ax_budget.tick_params(axis="x", labelsize=7)
+    ax.barh([0], [w_dec], height=0.6, color=DECODE_COLOUR, gid="budget-decode")
+    ax.barh([0], [w_pre], left=[w_dec], height=0.6, color=PREFILL_COLOUR, ec="black",
+            hatch="////", lw=0.6, gid="budget-prefill")
+    ax.barh([0], [max(unused - (w_dec - dec) - (w_pre - pre), 0)], left=[w_dec + w_pre],
+            height=0.6, color="white", ec="0.6", gid="budget-unused")
+    ax.set_xlim(0, max(budget, dec + pre, 1))
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_yticks([])
+    ax.tick_params(axis="x", labelsize=7)
     for side in ("top", "right", "left"):
-        ax_budget.spines[side].set_visible(False)
-    ax_budget.set_title(f"last step's token budget: {dec} decode (black) + {pre} prefill "
-                        f"(hatched), {unused} unused of max_num_batched_tokens={budget}",
-                        fontsize=8.5)
-
-    ax_text.axis("off")
-    _text_lines(ax_text, 0, left)
-    _text_lines(ax_text, 0.6, right)
-    return fig
+        ax.spines[side].set_visible(False)
+    ax.set_title(f"last step's token budget: {dec} decode (black) + {pre} prefill "
+                 f"(hatched), {unused} unused of max_num_batched_tokens={budget}",
+                 fontsize=8.5)
