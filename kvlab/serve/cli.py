@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     # vLLM 0.33.0's scheduler flags (vllm/config/scheduler.py), with vLLM's defaults.
     p.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
                    default=True, help="admit a request only when its whole prompt fits")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's: the waiting queue's order (priority: a request's `priority`, "
+                        "then arrival)")
     p.add_argument("--watermark", type=float, default=0.0,
                    help="fraction of KV blocks an admission must leave free")
     # vLLM's two flags (vllm/engine/arg_utils.py); vLLM's --attention-backend takes its own
@@ -88,7 +91,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill,
             "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
-            "watermark": args.watermark,
+            "watermark": args.watermark, "policy": args.scheduling_policy,
             "backend": args.attention_backend, "enforce_eager": args.enforce_eager}
 
 

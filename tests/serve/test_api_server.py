@@ -121,6 +121,12 @@ def test_serve_flags_map_onto_llm_knobs():
     assert (config.backend, config.enforce_eager) == ("flex", False)
     with pytest.raises(SystemExit):  # argparse names the choices and exits 2
         parser().parse_args("serve --attention-backend FLASH_ATTN".split())
+    assert config.policy == "fcfs"  # vLLM's default
+    config = LLM(**engine_kwargs(parser().parse_args("serve --scheduling-policy priority".split()))
+                 ).llm_engine.config
+    assert config.policy == "priority"
+    with pytest.raises(SystemExit):
+        parser().parse_args("serve --scheduling-policy lifo".split())
 
 
 def test_kv_cache_flags_map_onto_llm_knobs():

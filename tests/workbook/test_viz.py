@@ -320,7 +320,7 @@ def test_figures_say_what_their_marks_mean():
                 "kv_cache_memory_bytes": 2**26, "bytes_per_token": b, "mean_kl": kl}
                for d, n, b, kl in (("auto", 2, 46080, 0.0), ("bfloat16", 5, 23040, 2.9e-5),
                                    ("int4", 20, 6480, 5.2e-2))]
-    fig = precision.plot_precision_tradeoff(kl_rows)
+    fig = precision_plots.plot_precision_tradeoff(kl_rows)
     kl_ticks = _log_tick_labels(fig)
     assert "0.0001" in kl_ticks and not any("e" in t for t in kl_ticks), kl_ticks
     plt.close(fig)
