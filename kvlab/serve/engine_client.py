@@ -18,13 +18,34 @@ import logging
 import queue as thread_queue
 import threading
 import time
+import weakref
 
 from kvlab.engine import LLM, EngineStepError
 from kvlab.sampling import SamplingParams
+from kvlab.step_log import StepObserver
 from kvlab.serve.prometheus import ServerMetrics
 from kvlab.serve.protocol import RequestFailed
 
 logger = logging.getLogger(__name__)
+
+
+class ScheduleStamps(StepObserver):
+    """When each request was first scheduled, stamped as its step is decided, before the forward
+    runs: vLLM's SCHEDULED event (vllm/v1/core/sched/scheduler.py stamps it as `schedule()`
+    starts), from which its prefill and inference times run. The engine's own
+    `first_scheduled_time` is stamped as the step's results come in, after the forward, which
+    would put the first forward in the queue time and leave a one-step prefill at 0."""
+
+    def __init__(self) -> None:
+        self.first: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> stamp
+
+    def on_schedule(self, engine, scheduler_output) -> None:
+        now = time.perf_counter()
+        for request, _ in scheduler_output.scheduled:
+            self.first.setdefault(request, now)  # a preempted request keeps its first stamp
+
+    def scheduled(self, sample) -> float | None:
+        return self.first.get(sample, sample.metrics.first_scheduled_time)
 
 
 class AsyncEngine:
@@ -37,9 +58,11 @@ class AsyncEngine:
     the engine's lock themselves, and waited: the worker takes it again the moment a step ends
     (a lock is not a queue), so a request sent during a decode entered only when every running
     request had finished. `self.lock` is still held for each step and each batch of commands,
-    for a test or a reader that needs the engine still. A request's queue enters `self.queues`
-    in the same command as the request enters the engine (so the worker never sees one without
-    the other) and leaves it when its handler releases it (one dict operation, atomic).
+    for a test or a reader that needs the engine still. Each HTTP request has one queue, for
+    all its engine requests (a completions request may send several prompts): `self.queues`
+    maps each engine request to (that queue, its prompt's index). An entry is made in the same
+    command as the request enters the engine (so the worker never sees one without the other)
+    and leaves when its handler releases it (one dict operation, atomic).
     """
 
     def __init__(self, llm: LLM) -> None:
@@ -67,10 +90,12 @@ class AsyncEngine:
         # Requests, whose RequestMetrics hold the stamps) and when the worker queued it (vLLM's
         # QUEUED event, stamped as its engine core adds the request between two steps).
         self.samples: dict[str, tuple[list, float]] = {}
+        self.stamps = ScheduleStamps()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.dead_reason = None
+        self.engine.add_observer(self.stamps)
         self.thread.start()
 
     def stop(self) -> None:
@@ -78,6 +103,9 @@ class AsyncEngine:
         self.wakeup.set()
         if self.thread.is_alive():
             self.thread.join(timeout=30)
+        # The LLM outlives this server (a notebook may serve it again): stop watching its steps.
+        if self.stamps in self.engine.observers:
+            self.engine.observers.remove(self.stamps)
 
     def is_alive(self) -> bool:
         return self.dead_reason is None and self.thread.is_alive()
@@ -170,7 +198,7 @@ class AsyncEngine:
         self.metrics.observe_output(out, first)
         if out.finished and out.request_id in self.samples:
             samples, queued = self.samples.pop(out.request_id)
-            self.metrics.observe_finished(samples, queued)
+            self.metrics.observe_finished(samples, queued, self.stamps)
 
     def _fail(self, request_ids: list[str], message: str, abort: bool = False) -> None:
         """Hand a RequestFailed (500) to each request's handler; with `abort`, end the request in
@@ -186,7 +214,8 @@ class AsyncEngine:
             if rid in self.samples:
                 samples, queued = self.samples.pop(rid)
                 if self.metrics is not None:
-                    self.metrics.observe_finished(samples, queued, finished_reason="error")
+                    self.metrics.observe_finished(samples, queued, self.stamps,
+                                                  finished_reason="error")
             entry = self.queues.get(rid)
             if entry is not None:
                 self._deliver(entry, RequestFailed(message))

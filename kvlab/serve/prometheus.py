@@ -231,12 +231,13 @@ class ServerMetrics:
         if scheduler_output is not None:
             self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
 
-    def observe_finished(self, samples: list, queued: float,
+    def observe_finished(self, samples: list, queued: float, stamps,
                          finished_reason: str | None = None) -> None:
         """A request ended: each of its samples (the engine's Requests) as vLLM's
         FinishedRequestStats, from its RequestMetrics' stamps (`time.perf_counter()`, arrival
-        the HTTP request's) and `queued`, when the worker added it. `finished_reason` overrides
-        the samples' own ("error" when the engine failed them)."""
+        the HTTP request's), `queued` (when the worker added it) and `stamps.scheduled(sample)`
+        (when its first step was decided). `finished_reason` overrides the samples' own
+        ("error" when the engine failed them)."""
         now = time.perf_counter()
         for sample in samples:
             m = sample.metrics
@@ -247,7 +248,7 @@ class ServerMetrics:
             for gap in m.itl:
                 self.itl.observe(gap)
             last = m.token_times[-1] if m.token_times else None
-            scheduled, first = m.first_scheduled_time, m.first_token_time
+            scheduled, first = stamps.scheduled(sample), m.first_token_time
             num_generated = len(sample.output_token_ids)
             decode = _since(first, last)
             latency = self.request_latency

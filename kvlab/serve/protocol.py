@@ -122,8 +122,9 @@ TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
                   "refusal": "refusal"}
 MEDIA_PART_TYPES = ("image_url", "input_image", "image", "image_embeds", "input_audio",
                     "audio_url", "audio", "video_url", "video", "file", "input_file")
-# Message keys besides role and content that an OpenAI client may send back from an earlier
-# answer (the `message` object of a chat completion), accepted at their "off" values.
+# Message keys besides role and content: `name` (a participant's name: accepted, and unused by
+# the chat template, whatever its value: None here), and those an OpenAI client sends back from
+# an earlier answer (a chat completion's `message` object), accepted at their "off" values.
 MESSAGE_NOOPS = {"name": None, "refusal": (None,), "tool_calls": (None, []),
                  "function_call": (None,), "audio": (None,), "annotations": (None, [])}
 

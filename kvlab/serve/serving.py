@@ -16,8 +16,9 @@ exactly as vLLM's serving layer does (`kvlab.serve.protocol.sampling_params`).
 
 A request's arrival is stamped here, as its HTTP handler starts, and handed to the engine
 (`LLMEngine.add_request(arrival_time=...)`): a request that waits for the worker to finish a
-step has waited, and its TTFT says so (vLLM's API server stamps it before its engine sees the
-request too: vllm/v1/engine/async_llm.py).
+step has waited, and its TTFT says so (vLLM's API server stamps it too, before its engine
+sees the request: AsyncLLM.add_request in vllm/v1/engine/async_llm.py has
+vllm/v1/engine/input_processor.py stamp `time.time()`).
 
 A request that fails in the engine gets an HTTP 500, or, once streaming (the 200 is sent), an
 SSE `data: {"error": ...}` event then `data: [DONE]`. A client that disconnects has its request

@@ -997,6 +997,38 @@ def test_schedule_order(enable_chunked_prefill):
         assert output.num_scheduled_tokens == {"1": 800}
 
 
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_schedule_concurrent_partial_requests(enable_prefix_caching):
+    """test_scheduler.py::test_schedule_concurrent_partial_requests: with
+    long_prefill_token_threshold=400 three 800-token prompts are prefilled side by side, 400,
+    400 and the 224 left of the 1024-token budget, for two steps; then the first two decode and
+    the third takes the rest of its prompt (vllm/v1/core/sched/scheduler.py caps running and
+    waiting requests alike)."""
+    scheduler = create_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400,
+                                 enable_prefix_caching=enable_prefix_caching)
+    adapter = SchedulerAdapter(scheduler)
+    requests = create_requests(num_requests=3, num_tokens=800)
+    for request in requests:
+        scheduler.add_request(request)
+
+    output = adapter.schedule()
+    assert output.scheduled_new_reqs == ["0", "1", "2"]
+    assert output.scheduled_cached_reqs == []
+    assert output.num_scheduled_tokens == {"0": 400, "1": 400, "2": 224}
+    adapter.update(output)  # mid-prefill: no request is sampled
+
+    output1 = adapter.schedule()
+    assert len(scheduler.running) == 3
+    assert output1.scheduled_new_reqs == [] and output1.scheduled_cached_reqs == ["0", "1", "2"]
+    assert output1.num_scheduled_tokens == {"0": 400, "1": 400, "2": 224}
+    adapter.update(output1)  # the first two complete their prompts and are sampled
+
+    output2 = adapter.schedule()
+    assert len(scheduler.running) == 3
+    assert output2.scheduled_new_reqs == [] and output2.scheduled_cached_reqs == ["0", "1", "2"]
+    assert output2.num_scheduled_tokens == {"0": 1, "1": 1, "2": 800 - 224 - 224}
+
+
 def test_prefix_cache_stats_not_recorded_when_caching_disabled():
     """test_scheduler.py::test_prefix_cache_stats_not_recorded_when_caching_disabled (kvlab
     counts queries and hits in tokens; it has no request count)."""
@@ -1635,8 +1667,6 @@ NOT_PORTED = (
     ("test_throttle_defers_inflight_prefill_chunk", SC, "DP prefill throttling"),
     ("test_throttle_capacity_bound_guard_admits", SC, "DP prefill throttling"),
     ("test_no_mm_input_chunking", SC, _MM),
-    ("test_schedule_concurrent_partial_requests", SC, "long_prefill_token_threshold (a "
-     "per-request chunk cap kvlab has no knob for)"),
     ("test_check_stop_min_tokens", SC, "SamplingParams.min_tokens (kvlab has none)"),
     ("test_schedule_concurrent_batches", SC, _INFLIGHT),
     ("test_preempt_during_execution", SC, _INFLIGHT + " (test_src_fcfs_preempts_newest_running_"

@@ -133,8 +133,8 @@ def create_scheduler(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 81
     """vLLM's tests/v1/core/utils.py `create_scheduler` without a model.
 
     vLLM 0.33.0's CacheConfig.enable_prefix_caching defaults to True (vllm/config/cache.py),
-    hence the default here. `new_knobs` (scheduler_reserve_full_isl, watermark) are only
-    passed when a test sets them.
+    hence the default here. `new_knobs` (scheduler_reserve_full_isl, watermark,
+    long_prefill_token_threshold, policy, ...) are only passed when a test sets them.
     """
     if max_model_len is None:
         max_model_len = max_num_batched_tokens

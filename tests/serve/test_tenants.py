@@ -210,6 +210,12 @@ def test_health_and_metrics_stay_open(keyed):
     assert status == 200 and "vllm:prefix_cache_hits_total" in text
     status, _, _ = call(base + "/health", authorization="Bearer nonsense")  # ignored there
     assert status == 200
+    status, text, _ = call(base + "/version")  # says only which kvlab runs
+    assert status == 200 and "version" in json.loads(text)
+    # The tokenizer routes cost the server work: behind the key, as every /v1 route.
+    assert call(base + "/tokenize", {"prompt": "Hi"})[0] == 401
+    status, text, _ = call(base + "/tokenize", {"prompt": "Hi"}, key=KEY_A1)
+    assert status == 200 and json.loads(text)["count"] >= 1
 
 
 def test_keys_and_salts_never_leave_the_server(keyed, caplog):
