@@ -453,6 +453,7 @@ class LLM:
         prefix_caching_hash_algo: str = "sha256",
         scheduling: str = "continuous",
         policy: str = "fcfs",
+        scheduling_policy: str | None = None,
         scheduler_cls: str | type | None = None,
         kv_cache_manager_cls: str | type | None = None,
         device: str = "auto",
@@ -463,6 +464,13 @@ class LLM:
         parallel_sampling: str = "fork",
         debug_checks: bool = False,
     ) -> None:
+        # vLLM's LLM and EngineArgs call the policy `scheduling_policy`, its SchedulerConfig
+        # `policy` (vllm/engine/arg_utils.py): either name works here.
+        if scheduling_policy is not None:
+            if policy not in ("fcfs", scheduling_policy):
+                raise ValueError(f"policy={policy!r} and scheduling_policy={scheduling_policy!r}: "
+                                 "give the scheduling policy once")
+            policy = scheduling_policy
         config = EngineConfig(  # validates every knob before anything is loaded
             model=model, block_size=block_size, kv_layout=kv_layout,
             kv_cache_tokens=kv_cache_tokens, kv_cache_dtype=kv_cache_dtype,

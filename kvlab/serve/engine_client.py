@@ -242,7 +242,7 @@ class AsyncEngine:
         return fut
 
     async def add_requests(self, prompts: list, params: SamplingParams,
-                           arrival_time: float | None = None) -> list[str]:
+                           arrival_time: float | None = None, priority: int = 0) -> list[str]:
         """Queue one engine request per prompt (a completions request may send several: vLLM
         makes one engine request each, `{id}-{i}`); returns their ids. All are checked before
         any is added, so a bad one adds none. `arrival_time` is when the HTTP request came in
@@ -254,11 +254,12 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()  # one per HTTP request, for all its prompts
 
         def add():
-            parsed = [self.engine.validate_request(rid, p, params)
+            parsed = [self.engine.validate_request(rid, p, params, priority)
                       for rid, p in zip(rids, prompts)]
             queued = time.perf_counter()
             for i, (rid, pp) in enumerate(zip(rids, parsed)):
-                self.engine.add_parsed_request(rid, pp, params, arrival_time=arrival_time)
+                self.engine.add_parsed_request(rid, pp, params, priority=priority,
+                                               arrival_time=arrival_time)
                 self.queues[rid] = (queue, i)
                 self.samples[rid] = (list(self.engine.parents[rid]), queued)
 

@@ -55,7 +55,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "
 # model: must name the served model when sent (else 404, as vLLM); user: a tag, unused (vLLM
 # ignores it too). prompt_logprobs: vLLM's extra (not with stream, as vLLM refuses).
 _COMMON_FIELDS = (*SAMPLING_FIELDS, "stream", "stream_options", "cache_salt",
-                  "model", "user", "logprobs", "prompt_logprobs")
+                  "model", "user", "logprobs", "prompt_logprobs", "priority")
 # Every field kvlab implements, per endpoint.
 SUPPORTED_FIELDS: dict[str, tuple[str, ...]] = {
     # logprobs: an int (top logprobs per token); echo: the prompt before the completion.
@@ -111,7 +111,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "continue_final_message": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
-    "priority": (None, 0),
     "request_id": (None,),
 }
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
@@ -216,6 +215,9 @@ class GenerationRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk too
     echo: bool  # completions' echo: the prompt goes out before the completion
     echo_only: bool  # echo with max_tokens 0: the prompt alone (vLLM's echo without generation)
+    # vLLM's `priority` extra (vllm/entrypoints/openai/completion/protocol.py): the order under
+    # --scheduling-policy priority, lower first; no effect under fcfs, as in vLLM.
+    priority: int = 0
 
 
 async def read_body(request: web.Request) -> dict:
@@ -257,7 +259,17 @@ def parse_request(body: dict, endpoint: str, chat: bool, model_name: str, render
     return GenerationRequest(chat=chat, prompts=prompts, prompt_texts=texts, params=params,
                              stream=stream, include_usage=include_usage,
                              continuous_usage=continuous_usage,
-                             echo=not chat and bool(body.get("echo")), echo_only=echo_only)
+                             echo=not chat and bool(body.get("echo")), echo_only=echo_only,
+                             priority=priority_field(body))
+
+
+def priority_field(body: dict) -> int:
+    value = body.get("priority", 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request("'priority' must be an integer", param="priority")
+    return value
 
 
 def cache_salt(body: dict, server_salt: str | None) -> str | None:

@@ -76,7 +76,8 @@ class OpenAIServing:
             body = await read_body(request)
             req = parse_request(body, request.path, chat, self.model_name, self.renderer,
                                 server_salt)
-            rids = await self.engine.add_requests(req.prompts, req.params, arrival)
+            rids = await self.engine.add_requests(req.prompts, req.params, arrival,
+                                                  req.priority)
         except RequestFailed as e:
             return e.response()
         except (ValueError, TypeError) as e:

@@ -235,3 +235,14 @@ def test_bad_priority_is_refused_before_anything_is_added(priority, error, words
     assert llm.request_counter == 0 and llm.llm_engine.num_requests_added == 0
     assert_no_blocks_held(llm)
     assert len(llm.generate(prompts, GREEDY, priority=[2, 1, 0])) == 3
+
+
+def test_vllms_llm_keyword_scheduling_policy_is_the_policy():
+    """vLLM's `LLM(scheduling_policy=...)` (EngineArgs' name) sets the same knob as
+    SchedulerConfig's `policy`; two different values are refused before anything loads."""
+    from kvlab import LLM
+
+    assert LLM(max_model_len=64, kv_cache_tokens=256,
+               scheduling_policy="priority").llm_engine.config.policy == "priority"
+    with pytest.raises(ValueError, match="once"):
+        LLM(policy="priority", scheduling_policy="fcfs")

@@ -464,3 +464,36 @@ def wait_healthy(url: str, proc, timeout: float = 120) -> None:
         except OSError:
             time.sleep(0.3)
     raise AssertionError("kvlab serve did not become healthy")
+
+
+# ---- vLLM's `priority` extra ----------------------------------------------------------------------
+def test_priority_reaches_the_engine_and_a_bad_one_is_refused_by_name():
+    """`priority` in a body (vLLM's extra) is the request's priority in the engine, which orders
+    the waiting queue under --scheduling-policy priority; a non-integer gets a 400 naming it,
+    before the engine sees anything."""
+    llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_tokens=4096, policy="priority")
+    seen = []
+    add = llm.llm_engine.add_parsed_request
+
+    def recording(request_id, parsed, params, priority=0, arrival_time=None):
+        seen.append(priority)
+        return add(request_id, parsed, params, priority=priority, arrival_time=arrival_time)
+
+    llm.llm_engine.add_parsed_request = recording
+    server = BackgroundServer(llm)
+    try:
+        status, body = post(server.url + "/v1/completions",
+                            {"prompt": PARIS, "max_tokens": 2, "priority": -3})
+        assert status == 200, body
+        status, body = post(server.url + "/v1/chat/completions",
+                            {"messages": HI, "max_tokens": 2, "priority": 7})
+        assert status == 200, body
+        assert seen == [-3, 7]
+        for bad in ("high", 1.5, True):
+            status, body = post(server.url + "/v1/completions",
+                                {"prompt": PARIS, "max_tokens": 2, "priority": bad})
+            assert refused(status, body, "priority", "integer"), body
+        assert seen == [-3, 7]
+        assert_no_blocks_held(llm)
+    finally:
+        server.stop()

@@ -158,7 +158,8 @@ def test_chapter_00_opens_with_kvlab_source_folded_until_clicked(jupyterlab):
 # A two-cell notebook: the explorer over a small engine holding two requests, then a cell that
 # prints the engine's queues straight from its scheduler (not through the explorer).
 EXPLORER_CELLS = [
-    """from kvlab import LLM, widgets
+    """from kvlab import LLM
+from kvlab.workbook import widgets
 from kvlab.workbook.explorer import EngineExplorer
 
 llm = LLM(block_size=4, kv_cache_tokens=128, max_model_len=64)

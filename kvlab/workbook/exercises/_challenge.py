@@ -5,7 +5,8 @@ function that returns one. Its check runs the participant's choice and kvlab's r
 side by side on the real model, in one run, and says how close the participant came to the best
 and why. A do-nothing answer (the stub) is "not done yet"; a choice that breaks the workload
 fails with what it cost. Each challenge has its own module beside its chapter's builds, named
-for it (ch03_max_num_seqs.py); kvlab/workbook/chapters.py says which chapter holds which.
+for it (ch03_max_num_seqs.py), but chapter 08's, which shares ch08_kv_precision.py with its
+build; kvlab/workbook/chapters.py says which chapter holds which.
 
 What is here: the pool-sizing challenges' (01, 02) tolerance and their engine run. An operator
 sizes the pool before the load comes (vLLM: `gpu_memory_utilization` or `kv_cache_memory_bytes`;

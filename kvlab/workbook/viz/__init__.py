@@ -4,11 +4,14 @@ Nothing here touches an engine's state: callers pass in numbers or snapshots, so
 be drawn in a test without a browser. Each chapter's figures sit where that chapter would look:
 
 - `axes`: what they all share (byte sizes, request colours, log axes in plain numbers);
-- `memory`: chapters 00-02 (KV bytes, the pool as a grid, the allocator simulation, shared blocks);
-- `scheduling`: chapters 03-04 (requests over steps, concurrency, capacity, prefill stalls);
-- `prefix`: chapters 05-06 (hash chains, cold and warm TTFT, the free queue, the timing attack);
-- `bench`: chapter 07 and the benchmarks (peers, the roofline sweep, the API run);
-- `explorer`: the engine explorer's picture of one snapshot.
+- `memory_plots`: chapters 00-02 (KV bytes, the pool as a grid, the allocator simulation, shared blocks);
+- `scheduling_plots`: chapters 03-04 (requests over steps, concurrency, capacity, prefill stalls);
+- `prefix_plots`: chapters 05-06 (hash chains, cold and warm TTFT, the free queue, the timing attack);
+- `bench_plots`: chapter 07 and the benchmarks (peers, the roofline sweep, the API run);
+- `precision_plots`: chapter 08 (bytes and accuracy per `kv_cache_dtype`);
+- `snapshot`: the engine explorer's picture of one snapshot.
+
+kvlab/workbook/chapters.py names each chapter's modules.
 
 `kvlab.workbook.viz.plot_gantt` and the rest are importable from here, as the chapters call them.
 """
