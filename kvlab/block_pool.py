@@ -26,6 +26,9 @@ class KVCacheBlock:
     # Prefix caching (chapter 05): the key of the full block this holds, kept after it is freed
     # so a later request can find it again, dropped when the block is reused.
     block_hash: bytes | None = None
+    # vLLM's null block (block 0): a placeholder that is never handed out, never freed and never
+    # counted (vllm/v1/core/block_pool.py, BlockPool.null_block). Its ref_cnt is not kept.
+    is_null: bool = False
 
 
 class BlockPool:
@@ -40,16 +43,31 @@ class BlockPool:
     first (no one can ever hit it, and reusing a block just written keeps memory warm); a keyed
     block goes to the tail, so cached prefixes survive longest and the head of the keyed part is
     the least recently freed one (LRU eviction).
+
+    Block 0 is vLLM's null block: taken out of the free queue when the pool is made and never
+    handed out, so a pool of N blocks hands out ids 1..N-1 and holds (N - 1) x block_size
+    tokens, as vLLM's does (`--num-gpu-blocks-override N`). vLLM puts it where a block table
+    needs a placeholder (a sliding window's dropped blocks); the full-attention layout here
+    never needs one, but the ids and counts are vLLM's.
     """
 
-    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False, *,
+                 null_block: bool = True) -> None:
+        # null_block=False: a plain pool of N blocks that hands out all N, for chapter 01-02's
+        # exercises on the data structure alone (no engine, no vLLM ids to match).
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"a block pool needs at least {1 + null_block} blocks"
+                             + (" (block 0 is the null block)" if null_block else "")
+                             + f", got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (blk.block_id, blk) for blk in self.blocks
         )
+        self.null_block: KVCacheBlock | None = None
+        if null_block:  # block 0, for good
+            _, self.null_block = self.free_queue.popitem(last=False)
+            self.null_block.is_null = True
         # Prefix caching: key -> every block holding that prefix (running or free, not yet
         # reused), by block id. Usually one; two requests that computed the same block before
         # either was cached hold two copies, and both stay findable (vLLM's
@@ -66,8 +84,18 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """The blocks that can be handed out: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
+
     def get_num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_usable_blocks - len(self.free_queue)
+
+    def get_usage(self) -> float:
+        """The share of the usable blocks in use (vLLM: BlockPool.get_usage, null block left
+        out), what vllm:kv_cache_usage_perc reports."""
+        return self.get_num_used_blocks() / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free queue (all or nothing)."""
@@ -114,7 +142,7 @@ class BlockPool:
     def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> bool:
         """Register a full block under its key, beside any other copy of the same prefix.
         Returns False for a block that already has a key (a prefix hit being adopted)."""
-        if blk.block_hash is not None:
+        if blk.block_hash is not None or blk.is_null:  # the null block holds no prefix
             return False
         blk.block_hash = block_hash
         self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
@@ -155,6 +183,8 @@ class BlockPool:
         """Add one reference to each block: a forked sequence now shares it, or a prefix-cache
         hit takes it back, out of the free queue in O(1), before it can be evicted."""
         for blk in blocks:
+            if blk.is_null:  # never counted (vLLM's touch skips it too)
+                continue
             if blk.ref_cnt == 0:
                 del self.free_queue[blk.block_id]
             blk.ref_cnt += 1
@@ -171,6 +201,8 @@ class BlockPool:
         before its prefix.
         """
         for blk in ordered_blocks:  # check first: a bad call changes nothing
+            if blk.is_null:
+                raise RuntimeError("the null block (block 0) is never freed")
             if blk.ref_cnt <= 0:
                 raise RuntimeError(f"block {blk.block_id} freed more times than it was taken")
         to_head, to_tail = [], []
@@ -186,13 +218,17 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Free means ref_cnt 0 and in the queue; nothing is both; counts add up."""
+        if self.null_block is not None:
+            assert self.null_block.block_id not in self.free_queue, "the null block is free"
         for blk in self.blocks:
+            if blk.is_null:
+                continue
             in_queue = blk.block_id in self.free_queue
             assert blk.ref_cnt >= 0, f"block {blk.block_id} has ref_cnt {blk.ref_cnt}"
             assert in_queue == (blk.ref_cnt == 0), (
                 f"block {blk.block_id}: ref_cnt {blk.ref_cnt}, in free queue {in_queue}"
             )
-        assert self.get_num_free_blocks() + self.get_num_used_blocks() == self.num_blocks
+        assert self.get_num_free_blocks() + self.get_num_used_blocks() == self.num_usable_blocks
         for key, copies in self.cached_block_hash_to_block.items():
             assert copies, f"an empty entry for key {key.hex()[:8]}"
             for block_id, blk in copies.items():

@@ -22,6 +22,7 @@ BACKENDS = ("auto", "reference", "flex")
 PARALLEL_SAMPLING = ("fork", "child_requests")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's SchedulerConfig default (vllm/config/scheduler.py)
 
 
 def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
@@ -84,7 +85,12 @@ class EngineConfig:
     # same bytes hold more tokens at a lower precision. Not with kv_cache_tokens.
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 256  # most requests running at once (vLLM --max-num-seqs)
+    # Most requests running at once (vLLM --max-num-seqs). None: vLLM's default, 256, lowered
+    # to max_num_batched_tokens when the budget is smaller (vllm/engine/arg_utils.py,
+    # EngineArgs.create_engine_config: max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    # when it was not given). Given explicitly above the budget it is refused, as vLLM's
+    # SchedulerConfig refuses it (vllm/config/scheduler.py).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # token budget of one step (prefill + decode)
     max_model_len: int | None = None  # prompt + output limit; None: the model's context length
     enable_chunked_prefill: bool = True  # split long prompts over several steps (vLLM v1 default)
@@ -102,9 +108,11 @@ class EngineConfig:
     # max_num_batched_tokens // (running + waiting requests), when that is larger.
     long_prefill_token_threshold: int = 0
     long_prefill_token_threshold_adaptive: bool = False
-    # Reuse full KV blocks of shared prefixes (chapter 05). vLLM's default is True; kvlab's is
-    # False so that chapters 00-04 measure what they say, with no cache in between.
-    enable_prefix_caching: bool = False
+    # Reuse full KV blocks of shared prefixes (chapter 05). vLLM's name and default
+    # (vllm/config/cache.py: CacheConfig.enable_prefix_caching = True). None (the default) is
+    # True for the paged layout and False for the contiguous baseline, which cannot share a
+    # block; a chapter that wants a cold engine says enable_prefix_caching=False.
+    enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str = "sha256"  # vLLM --prefix-caching-hash-algo; hashlib names
     scheduling: str = "continuous"  # kvlab-only: "continuous" (Orca/vLLM) or "static" batching
     # vLLM's name and default (vllm/config/scheduler.py: policy, `--scheduling-policy`): the
@@ -143,7 +151,16 @@ class EngineConfig:
     # the samples fork its block table, the partly filled last block included; copy-on-write
     # separates them. "child_requests": vLLM v1's way (vllm/v1/engine/parallel_sampling.py):
     # n independent requests that share only full prompt blocks, through the prefix cache.
-    parallel_sampling: str = "fork"
+    parallel_sampling: str = "child_requests"
+    # vLLM's name and default (vllm/config/scheduler.py: async_scheduling; VllmConfig turns
+    # None into True unless an option forbids it, vllm/config/vllm.py): the engine schedules
+    # step t + 1 before it has read step t's sampled tokens, holding at most two steps in flight
+    # (EngineCore.step_with_batch_queue, vllm/v1/engine/core.py). The scheduler advances
+    # num_computed_tokens when it schedules and counts the token a step will sample as an
+    # output placeholder (vllm/v1/core/sched/async_scheduler.py), so a request that stops on
+    # EOS is found one step late. False: the synchronous loop (schedule, run, update).
+    # Chapter 02's groups (parallel_sampling="fork", beam search) run the synchronous loop.
+    async_scheduling: bool = True
     # kvlab-only: run the block pool's full consistency check after every step, so a broken
     # pool (a participant's exercise) is caught at the step that broke it. Costs O(blocks).
     debug_checks: bool = False
@@ -166,7 +183,7 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} and kv_cache_tokens="
                 f"{self.kv_cache_tokens} both size the KV pool: pass one of them")
-        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1, allow_none=True)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1, allow_none=True)
         check_int("max_model_len", self.max_model_len, minimum=2, allow_none=True)
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
@@ -187,7 +204,10 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} cannot be "
                 f"greater than max_model_len={self.max_model_len}")
         check_bool("debug_checks", self.debug_checks)
+        if self.enable_prefix_caching is None:  # vLLM's default where a block can be shared
+            self.enable_prefix_caching = self.kv_layout == "paged"
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("async_scheduling", self.async_scheduling)
         check_choice("scheduling", self.scheduling, SCHEDULING_POLICIES)
         check_choice("policy", self.policy, POLICIES)
         # A class, or a path that imports one. Whether it is the right kind of class is the
@@ -210,6 +230,12 @@ class EngineConfig:
             )
         if self.kv_cache_tokens is not None and self.max_model_len is not None:
             self._check_one_request_fits()
+        if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            # vLLM's SchedulerConfig refuses the same pair, in these words.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs}).")
 
     def resolve(self, model_max_len: int, default_kv_tokens: int,
                 kv_bytes_per_token: int | None = None) -> EngineConfig:
@@ -227,7 +253,11 @@ class EngineConfig:
             kv_cache_tokens = self._tokens_in_memory_bytes(kv_bytes_per_token)
         if max_model_len is None:
             # A KV budget smaller than the model's context (given, or the automatic one): shrink
-            # the context to fit, as vLLM does when it fits max_model_len to the KV cache it found.
+            # the context to fit. vLLM does this only when asked, with max_model_len=-1
+            # (_auto_fit_max_model_len in vllm/v1/core/kv_cache_planning.py); left unset there,
+            # a context one request could not fit in the KV cache stops start-up with an error
+            # (check_enough_kv_cache_memory). kvlab fits it so that a small teaching pool needs
+            # no second knob.
             max_model_len = min(model_max_len,
                                 default_kv_tokens if kv_cache_tokens is None else kv_cache_tokens)
         elif max_model_len > model_max_len:
@@ -242,8 +272,11 @@ class EngineConfig:
             budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
         # replace() runs __post_init__ again: the filled-in config passes the same checks, one
         # request fitting the pool among them.
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:  # vLLM: lowered to the budget only when not given
+            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, budget)
         resolved = dataclasses.replace(self, kv_cache_tokens=kv_cache_tokens,
-                                       max_model_len=max_model_len,
+                                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=budget, _resolved=True)
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
@@ -258,14 +291,16 @@ class EngineConfig:
         if kv_bytes_per_token is None:
             raise ValueError("kv_cache_memory_bytes needs the KV bytes per token to size the pool")
         block_bytes = kv_bytes_per_token * self.block_size
+        # vLLM sizes its pool in whole pages and then reserves block 0 as the null block
+        # (vllm/v1/core/block_pool.py): the tokens the budget holds leave that block out.
         num_blocks = self.kv_cache_memory_bytes // block_bytes
-        if num_blocks < 1:
+        if num_blocks < 2:
             raise ValueError(
-                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} is smaller than one KV "
-                f"block: block_size={self.block_size} tokens x {kv_bytes_per_token} bytes per "
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} is smaller than two KV "
+                f"blocks (one usable, and block 0, the null block): block_size={self.block_size} tokens x {kv_bytes_per_token} bytes per "
                 f"token at kv_cache_dtype={self.kv_cache_dtype!r} is {block_bytes} bytes; "
                 "raise kv_cache_memory_bytes, or lower block_size or the KV precision")
-        return num_blocks * self.block_size
+        return (num_blocks - 1) * self.block_size
 
     def _check_one_request_fits(self) -> None:
         if self.kv_cache_tokens < self.max_model_len and self.kv_cache_memory_bytes is not None:
@@ -282,5 +317,8 @@ class EngineConfig:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks in the physical pool: the KV budget rounded up to whole blocks."""
-        return -(-self.kv_cache_tokens // self.block_size)
+        """Blocks in the physical pool: the KV budget rounded up to whole blocks, plus block 0,
+        vLLM's null block, which is never handed out (vllm/v1/core/block_pool.py). So
+        kv_cache_tokens are the tokens requests can hold, and a pool of N blocks holds
+        (N - 1) x block_size of them, as vLLM's --num-gpu-blocks-override N does."""
+        return -(-self.kv_cache_tokens // self.block_size) + 1

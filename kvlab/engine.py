@@ -12,6 +12,7 @@ are chosen by the config (`scheduler_cls`, `kv_cache_manager_cls`), as vLLM's sc
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -25,13 +26,14 @@ from kvlab.config import EngineConfig, check_int, resolve_class
 from kvlab.group_scheduler import GroupScheduler
 from kvlab.inputs import ParsedPrompt, parse_prompt
 from kvlab.kv_cache import allocate_kv_cache, get_kv_cache_manager_cls, make_kv_cache_manager
-from kvlab.kv_quant import get_kv_cache_dtype
+from kvlab.kv_quant import check_float_kv_cache_dtype, get_kv_cache_dtype
 from kvlab.metrics import RequestMetrics
 from kvlab.model import Transformer, load_model
 from kvlab.attention import get_attention_backend
 from kvlab.model_runner import ModelRunner
 from kvlab.output_processor import OutputProcessor
 from kvlab.outputs import RequestOutput
+from kvlab.prefix_cache import get_request_block_hasher
 from kvlab.request import Request, RequestGroup
 from kvlab.sampling import RequestOutputKind, Sampler, SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerOutput
@@ -41,6 +43,10 @@ from kvlab.step_log import StepLog, StepObserver
 # free GPU memory).
 DEFAULT_CPU_KV_BYTES = platforms.DEFAULT_CPU_KV_BYTES
 DEFAULT_GPU_KV_FRACTION = platforms.DEFAULT_GPU_KV_FRACTION
+# Steps in flight at once under async scheduling (vLLM: VllmConfig.max_concurrent_batches in
+# vllm/config/vllm.py, 2 with async scheduling and one pipeline stage; EngineCore's
+# batch_queue_size in vllm/v1/engine/core.py).
+MAX_CONCURRENT_BATCHES = 2
 
 
 class EngineStepError(RuntimeError):
@@ -74,6 +80,7 @@ class LLMEngine:
                                  attn_backend=get_attention_backend(config.backend,
                                                                     config.enforce_eager))
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
+        check_float_kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # before any pool exists
         # K/V as stored: "auto" keeps the model's dtype; a lower precision makes a
         # token cost fewer bytes, so a budget in bytes holds more of them.
         self.kv_cache_dtype = get_kv_cache_dtype(config.kv_cache_dtype)
@@ -100,6 +107,9 @@ class LLMEngine:
         # KV cache events are always recorded: the engine hands them to its observers every
         # step; its StepLog keeps them in `kv_events` (bounded), where the explorer reads them.
         self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
+        self.block_hasher = (get_request_block_hasher(config.block_size,
+                                                      config.prefix_caching_hash_algo)
+                             if config.enable_prefix_caching else None)
         self.kv_cache = allocate_kv_cache(
             self.model.num_layers, config.num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
@@ -117,7 +127,9 @@ class LLMEngine:
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
         self.beam_groups: dict[str, BeamSearchGroup] = {}  # caller's id -> its beam search
         self.num_requests_added = 0
-        self.num_steps = 0  # steps that ran the model
+        self.num_steps = 0  # steps that ran the model and were read
+        # Steps scheduled and run whose result is not read yet, newest first (async scheduling).
+        self.batch_queue: collections.deque = collections.deque()
         # Who hears of each step (kvlab/step_log.py): the engine's own record first.
         self.step_log = StepLog()
         self.observers: list[StepObserver] = [self.step_log]
@@ -224,6 +236,7 @@ class LLMEngine:
                     group=group,
                     prompt_logprobs=None if params.prompt_logprobs is None else [None],
                     priority=priority,
+                    block_hasher=self.block_hasher,
                 )
             )
         self.parents[request_id] = samples
@@ -261,6 +274,7 @@ class LLMEngine:
         if request_id not in self.parents:
             raise ValueError(f"unknown request_id {request_id!r}")
         self._end(request_id, "abort")
+        self._drain_dead_steps()
 
     def _end(self, request_id: str, reason: str) -> None:
         for r in self.parents.pop(request_id):
@@ -269,7 +283,19 @@ class LLMEngine:
         self.output_processor.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests not finished (vLLM's LLMEngine asks its requests, not its core's queue: a
+        step still in flight for requests that have all ended is read at once, below)."""
         return self.scheduler.has_unfinished_requests()
+
+    def _drain_dead_steps(self) -> list[RequestOutput]:
+        """Read the steps still in flight once no request is left: under async scheduling a
+        request stopped by EOS was given one more step before the stop was seen, and an abort
+        can leave its request's step in flight. vLLM's EngineCore loop reads its batch queue
+        until it is empty; here nobody would call step() again, so read them now."""
+        outputs: list[RequestOutput] = []
+        while self.batch_queue and not self.scheduler.has_unfinished_requests():
+            outputs += self._read_oldest_step(drain=False)
+        return outputs
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix, so the next requests run cold (vLLM:
@@ -291,21 +317,54 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, update the requests, and report those that changed
-        (vLLM's EngineCore.step and LLMEngine.step). The observers hear of the schedule and of
-        the finished step (kvlab/step_log.py)."""
-        start = time.perf_counter()
+        """One turn of the engine's loop; returns the requests whose result it read (vLLM's
+        LLMEngine.step). The observers hear of each schedule and of each step whose result is
+        read (kvlab/step_log.py).
+
+        With async_scheduling (vLLM's default) this is EngineCore.step_with_batch_queue: the
+        step is scheduled and handed to the model runner; while fewer than
+        MAX_CONCURRENT_BATCHES steps are in flight the call returns at once, with no outputs,
+        so the next step is scheduled before this one's tokens are read. Otherwise the oldest
+        step in flight is read. On a GPU the forward runs while the host schedules the next
+        step; here the CPU runs it at once, so the order, the placeholders and the one-step-late
+        stop are vLLM's but no time overlaps. Without it (async_scheduling=False, or while
+        chapter 02's groups run) each call schedules, runs and reads one step: EngineCore.step.
+        """
         self.drain_kv_events()  # what aborts and resets did since the last step
+        if not (self.config.async_scheduling and self.scheduler.can_run_ahead()):
+            if self.batch_queue:  # leaving the async loop: read what is in flight first
+                return self._read_oldest_step()
+            if not self._schedule_and_run():
+                return []
+            return self._read_oldest_step()
+        if self.scheduler.has_unfinished_requests() and self._schedule_and_run():
+            if len(self.batch_queue) < MAX_CONCURRENT_BATCHES:
+                return []  # fill the queue before waiting on a result
+        if not self.batch_queue:
+            return []
+        return self._read_oldest_step()
+
+    def _schedule_and_run(self) -> bool:
+        """Schedule one step and run it; queue it to be read. False when nothing was scheduled."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self._notify("on_schedule", scheduler_output)
         if not scheduler_output.scheduled:
             self.drain_kv_events()
-            return []
+            return False
         model_output = self._execute_model(scheduler_output)
+        self.batch_queue.appendleft((scheduler_output, model_output, start))
+        return True
+
+    def _read_oldest_step(self, drain: bool = True) -> list[RequestOutput]:
+        """Read the oldest step in flight: append its tokens, check stops, free what finished.
+        With `drain`, then the steps left in flight if no request is left to read them for."""
+        scheduler_output, model_output, start = self.batch_queue.pop()
         touched = self.scheduler.update_from_output(scheduler_output, model_output)
         self._finish_at_stop_strings(touched)
         self._end_step(scheduler_output, start)
-        return self._make_outputs(touched)
+        outputs = self._make_outputs(touched)
+        return outputs + self._drain_dead_steps() if drain else outputs
 
     def _execute_model(self, scheduler_output: SchedulerOutput):
         """The model runner's forward and sampling for one step. If it fails, only that step's
@@ -348,7 +407,8 @@ class LLMEngine:
         hold no K/V, so forget those keys, then end the requests (their blocks come back) and
         let every other request go on. Returns the caller's ids of the failed requests."""
         for request, _ in sched.scheduled:
-            self.kv_cache_manager.uncache_unwritten_blocks(request)
+            self.kv_cache_manager.uncache_unwritten_blocks(
+                request, sched.num_computed_tokens[request.request_id])
         failed = list(dict.fromkeys(r.parent_id for r, _ in sched.scheduled))
         for rid in failed:
             if rid in self.beam_groups:
@@ -388,7 +448,8 @@ class LLMEngine:
         return {
             "kv_layout": self.config.kv_layout,
             "block_size": self.config.block_size,
-            "num_blocks": pool.num_blocks,
+            "num_blocks": pool.num_blocks,  # block 0, the null block, included (vLLM's count)
+            "num_usable_blocks": pool.num_usable_blocks,  # all but the null block
             "num_free_blocks": pool.get_num_free_blocks(),
             "num_used_blocks": pool.get_num_used_blocks(),
             "peak_blocks_used": kv.peak_blocks_used,
@@ -404,7 +465,7 @@ class LLMEngine:
             "prefix_cache_preempted_hits": kv.prefix_cache_preempted_hits,
             "kv_cache_dtype": self.kv_cache_dtype.name,
             "kv_bytes_per_token": self.kv_bytes_per_token,  # at kv_cache_dtype, scales included
-            "kv_capacity_tokens": pool.num_blocks * self.config.block_size,
+            "kv_capacity_tokens": pool.num_usable_blocks * self.config.block_size,
             "kv_cache_bytes": self.kv_cache.nbytes,  # the pool (and its scales), as allocated
             "max_model_len": self.config.max_model_len,
             "num_running": len(self.scheduler.running),
@@ -441,7 +502,7 @@ class LLM:
         kv_cache_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
         kv_cache_memory_bytes: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
@@ -449,7 +510,7 @@ class LLM:
         watermark: float = 0.0,
         long_prefill_token_threshold: int = 0,
         long_prefill_token_threshold_adaptive: bool = False,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = None,
         prefix_caching_hash_algo: str = "sha256",
         scheduling: str = "continuous",
         policy: str = "fcfs",
@@ -461,7 +522,8 @@ class LLM:
         seed: int = 0,
         backend: str = "auto",
         enforce_eager: bool | None = None,
-        parallel_sampling: str = "fork",
+        parallel_sampling: str = "child_requests",
+        async_scheduling: bool = True,
         debug_checks: bool = False,
     ) -> None:
         # vLLM's LLM and EngineArgs call the policy `scheduling_policy`, its SchedulerConfig
@@ -485,7 +547,7 @@ class LLM:
             policy=policy, scheduler_cls=scheduler_cls, kv_cache_manager_cls=kv_cache_manager_cls,
             device=device, dtype=dtype, seed=seed, backend=backend,
             enforce_eager=enforce_eager, parallel_sampling=parallel_sampling,
-            debug_checks=debug_checks,
+            async_scheduling=async_scheduling, debug_checks=debug_checks,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0
@@ -599,10 +661,11 @@ class LLM:
         for p in parsed:
             # Fewest blocks beam search can live with: the shared prompt plus one block per beam.
             need = kv.num_blocks_for(len(p.token_ids)) + params.beam_width
-            if need > kv.num_blocks:
+            if need > kv.block_pool.num_usable_blocks:
                 raise ValueError(
                     f"beam_width={params.beam_width} with a {len(p.token_ids)}-token prompt needs "
-                    f"at least {need} KV blocks; the pool has {kv.num_blocks}: lower beam_width "
+                    f"at least {need} KV blocks; the pool has {kv.block_pool.num_usable_blocks} "
+                    "(besides block 0, the null block): lower beam_width "
                     "or raise kv_cache_tokens"
                 )
         self.request_counter += len(prompts)

@@ -47,6 +47,13 @@ class GroupScheduler(Scheduler):
             return 0  # the group already holds this member's seat
         return request.group.num_seats
 
+    def can_run_ahead(self) -> bool:
+        """A forked sample or a beam needs its token read before its group can go on (a fork
+        waits for its parent's prompt, a beam for its siblings' logprobs), so while any group
+        is live the engine runs the synchronous loop."""
+        return not any(r.group is not None or r.beam_group is not None
+                       for r in (*self.running, *self.waiting))
+
     # ---- n > 1 by fork ---------------------------------------------------------------------
     def _on_scheduled(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """Once sample 0's prompt is computed (this step), the other samples fork from it,

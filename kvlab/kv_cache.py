@@ -60,6 +60,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# memory_map's owner for block 0, vLLM's null block (never handed out).
+NULL_BLOCK_OWNER = "null block"
+
+
 class KVCacheManager:
     """Block tables of the running requests over one `BlockPool`: the paged layout (vLLM).
 
@@ -89,9 +93,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_kv_cache_events)
         # vLLM's watermark (vllm/config/scheduler.py, default 0): blocks an admission must leave
         # free, so that the requests already running can grow a while before anyone is preempted.
-        # vLLM multiplies by its pool's size, which counts its null block (block 0, never
-        # handed out); kvlab's pool of N blocks is vLLM's of N + 1, so the same rounding.
-        self.watermark_blocks = int(watermark * (num_blocks + 1))
+        # vLLM multiplies by its pool's size, null block (block 0, never handed out) included.
+        self.watermark_blocks = int(watermark * num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.peak_blocks_used = 0
         # (src, dst) block ids whose K/V must be copied before the next forward: copy-on-write
@@ -280,11 +283,15 @@ class KVCacheManager:
         """KV cache events since the last call (the block pool records them)."""
         return self.block_pool.take_events()
 
-    def uncache_unwritten_blocks(self, request) -> None:
+    def uncache_unwritten_blocks(self, request, num_computed_tokens: int | None = None) -> None:
         """Forget the keys of blocks keyed for a step that never ran (an exception or an
         interrupt before the forward finished): keys are given at allocation, before the K/V
-        is written, so without this a later request could hit K/V that does not exist."""
-        first = request.num_computed_tokens // self.block_size
+        is written, so without this a later request could hit K/V that does not exist.
+        `num_computed_tokens`: the tokens whose K/V did get written (default: the request's
+        count; once schedule() has advanced it, the step's SchedulerOutput has the old one)."""
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        first = num_computed_tokens // self.block_size
         blocks = self.req_to_blocks.get(request.request_id, [])
         for blk in blocks[first:]:
             self.block_pool.uncache_block(blk)
@@ -332,10 +339,12 @@ class KVCacheManager:
         `num_tokens` gives each request's tokens in the cache now; `final_tokens`, where known,
         its length at the end: a held slot below that is reserved, one past it is internal waste
         (it will never hold a token). Without `final_tokens` every held, empty slot counts as
-        reserved. Chapter 01's pictures draw it (kvlab.workbook.viz.draw_memory_map).
+        reserved. Block 0, the null block, is owned by NULL_BLOCK_OWNER. Chapter 01's pictures
+        draw it (kvlab.workbook.viz.draw_memory_map).
         """
         bs = self.block_size
         owner: list[tuple[str | None, int, int]] = [(None, 0, 0)] * self.num_blocks
+        owner[self.block_pool.null_block.block_id] = (NULL_BLOCK_OWNER, 0, 0)
         for rid, blocks in self.req_to_blocks.items():
             n = num_tokens.get(rid, 0)
             end = (final_tokens or {}).get(rid, len(blocks) * bs)
@@ -380,7 +389,7 @@ class ContiguousKVCacheManager(KVCacheManager):
         """The runs of consecutive free block ids, in address order."""
         run: list[int] = []
         for blk in self.block_pool.blocks:
-            if blk.ref_cnt == 0:
+            if blk.ref_cnt == 0 and not blk.is_null:  # the null block is never free
                 run.append(blk.block_id)
             elif run:
                 yield run

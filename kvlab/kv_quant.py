@@ -103,6 +103,20 @@ _SPECS = {
 }
 
 
+def check_float_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> None:
+    """vLLM refuses a float16/bfloat16 kv_cache_dtype that differs from the model's dtype
+    (VllmConfig._reject_mismatched_float_kv_cache in vllm/config/vllm.py): storing a float32
+    model's K/V in bfloat16 is not one of its options. Same rule, same message."""
+    if name not in ("float16", "bfloat16"):
+        return
+    model_name = str(model_dtype).removeprefix("torch.")
+    if model_name == name:
+        return
+    allowed = f"`auto` or `{model_name}`" if model_name in ("float16", "bfloat16") else "`auto`"
+    raise ValueError(f'kv_cache_dtype="{name}" is incompatible with dtype="{model_name}". '
+                     f"Please set `--kv-cache-dtype` to {allowed}.")
+
+
 def get_kv_cache_dtype(name) -> KVCacheDType:
     """The KVCacheDType for a vLLM name; refuses an unknown name (listing the supported ones)
     and a dtype this torch build cannot store, before anything is allocated."""

@@ -44,6 +44,10 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.last_forward_time = 0.0
+        # The tokens the last step sampled, by request id. Under async scheduling the next step
+        # is scheduled before the engine has appended them, so a decode's input token comes
+        # from here (vLLM's runner keeps the previous step's sampled ids on the device).
+        self.last_sampled: dict[str, int] = {}
 
     def prepare(self, sched: SchedulerOutput):
         """Flat input ids, positions and the backend's attention metadata for one step."""
@@ -55,10 +59,10 @@ class ModelRunner:
         block_ids_per_seq: list[list[int]] = []
         bs = self.block_size
         for request, num_new in sched.scheduled:
-            start = request.num_computed_tokens
+            start = sched.num_computed_tokens[request.request_id]
             end = start + num_new
             block_ids = sched.block_ids[request.request_id]
-            input_ids += request.token_ids(start, end)
+            input_ids += self._input_token_ids(request, start, end)
             positions += range(start, end)
             # Position p goes to slot p % block_size of logical block p // block_size.
             slot_mapping += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
@@ -84,6 +88,16 @@ class ModelRunner:
         )
         return ids, pos, self.attn_backend.build(common)
 
+    def _input_token_ids(self, request: Request, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of the request; past what it holds, the one the previous step
+        sampled for it (async scheduling: at most one step is ahead of the request)."""
+        known = request.num_tokens
+        if end <= known:
+            return request.token_ids(start, end)
+        assert end == known + 1 and request.request_id in self.last_sampled, (
+            f"{request.request_id}: input up to {end} but {known} tokens are known")
+        return request.token_ids(start, known) + [self.last_sampled[request.request_id]]
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks of K/V, every layer: the physical half of copy-on-write and fork."""
         if copies:
@@ -95,11 +109,10 @@ class ModelRunner:
                 self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # (layers, K/V, blocks, ...)
 
     @staticmethod
-    def _prompt_logprob_rows(request: Request, num_new: int, row0: int):
+    def _prompt_logprob_rows(request: Request, start: int, num_new: int, row0: int):
         """The flat rows of this step whose logits predict a prompt token not yet scored.
         Position p predicts token p + 1; `request.prompt_logprobs` already holds entries for
         tokens 0 .. len - 1, so a recomputed prompt (after a preemption) is not scored twice."""
-        start = request.num_computed_tokens
         first = max(start, len(request.prompt_logprobs) - 1)  # first position to score
         last = min(start + num_new, request.num_prompt_tokens - 1)  # one past the last
         if first < last:
@@ -131,9 +144,11 @@ class ModelRunner:
         end = 0
         for request, num_new in sched.scheduled:
             end += num_new
+            start = sched.num_computed_tokens[request.request_id]
             if request.prompt_logprobs is not None:
-                prompt_rows.extend(self._prompt_logprob_rows(request, num_new, end - num_new))
-            if request.num_computed_tokens + num_new == request.num_tokens:
+                prompt_rows.extend(self._prompt_logprob_rows(request, start, num_new,
+                                                             end - num_new))
+            if start + num_new >= request.num_tokens:  # reaches its end (a placeholder's too)
                 rows.append(end - 1)  # the sequence's last new token
                 samplers.append(request)
         # A pure decode step samples every row: no index to copy.
@@ -164,8 +179,10 @@ class ModelRunner:
         result = self.sampler(logits, [r.sampling_params for r in who],
                               [r.generator for r in who])
         self.last_forward_time = timer.seconds()  # the sampler has waited for the device
+        self.last_sampled = {}
         for r, token, lp in zip(who, result.token_ids, result.logprobs):
             output.sampled_token_ids[r.request_id] = token
+            self.last_sampled[r.request_id] = token
             if lp is not None:
                 output.logprobs[r.request_id] = lp
         return output

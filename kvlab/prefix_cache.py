@@ -56,3 +56,16 @@ def extend_block_hashes(hashes: list[BlockHash], get_tokens, num_tokens: int, bl
         parent = hashes[i - 1] if i else None
         block = get_tokens(i * block_size, (i + 1) * block_size)
         hashes.append(hash_block_tokens(parent, block, block_extra_keys(i, cache_salt), algo))
+
+
+def get_request_block_hasher(block_size: int, algo: str = "sha256"):
+    """The function that brings a request's block keys up to date, as vLLM's Request calls its
+    block hasher (vllm/v1/request.py; get_request_block_hasher in
+    vllm/v1/core/kv_cache_utils.py): when the request is created, for its prompt's full blocks,
+    and whenever a token is appended, for a block that token fills."""
+
+    def hash_request_blocks(request) -> None:
+        extend_block_hashes(request.block_hashes, request.token_ids, request.num_tokens,
+                            block_size, request.cache_salt, algo)
+
+    return hash_request_blocks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,15 @@ class Request:
     # request `num_tokens - num_computed_tokens` new tokens: a whole prompt, a chunk, or the one
     # token sampled last step (a decode). Prefill and decode are the same thing at different sizes.
     num_computed_tokens: int = 0
+    # Async scheduling (vllm/v1/core/sched/async_scheduler.py): tokens a step in flight will
+    # sample, not yet seen. num_computed_tokens already counts them as computed when the next
+    # step is scheduled, so the next decode's input is a token the model runner holds and the
+    # request does not (yet). num_in_flight_tokens: scheduled, their step's result not yet read.
+    # A request preempted with a step in flight marks that step's output stale: its token is
+    # still appended, but it changes no counter (vLLM's num_stale_output_tokens).
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -72,6 +82,14 @@ class Request:
     # vLLM's Request.priority (vllm/v1/request.py): under policy="priority" the waiting queue
     # serves the lowest value first and the highest is preempted first; "fcfs" ignores it.
     priority: int = 0
+    # With prefix caching, the engine's block hasher (prefix_cache.get_request_block_hasher):
+    # the prompt's full blocks are keyed when the request is created and each block filled by
+    # an appended token when it is appended, as vLLM's Request does (vllm/v1/request.py).
+    block_hasher: Callable[["Request"], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_hasher is not None:
+            self.block_hasher(self)
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +114,8 @@ class Request:
 
     def append_output_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)
+        if self.block_hasher is not None:
+            self.block_hasher(self)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)

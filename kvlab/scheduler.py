@@ -77,6 +77,10 @@ class SchedulerOutput:
     # (CachedRequestData.new_block_ids), its runner keeping the tables; kvlab sends whole
     # tables, since copy-on-write can replace a block in the middle of one.
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Each scheduled request's num_computed_tokens when the step was decided: where its new
+    # tokens start (vLLM: NewRequestData / CachedRequestData.num_computed_tokens). The request's
+    # own count is advanced at the end of schedule(), before the model runs, as vLLM's is.
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
     num_decode_tokens: int = 0  # one per request that was generating
     total_num_scheduled_tokens: int = 0  # prefill (prompt, chunk or recompute) + decode
 
@@ -102,7 +106,9 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         if num_computed is None:
             num_computed = request.num_computed_tokens
-        num_new = request.num_tokens - num_computed
+        # A token a step in flight will sample counts as a token to compute (async scheduling):
+        # the model runner feeds it in from that step's output.
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed
         # The long-prefill cap comes first, before the budget and before the no-chunking rule,
         # as in vLLM: so with enable_chunked_prefill=False a capped prompt is still cut.
         if 0 < self._long_prefill_cap < num_new:
@@ -149,6 +155,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._before_finish(out)
         self.finish_output(out)
+        self._update_after_schedule(out)
         # vLLM asserts these where it decides the step (end of Scheduler.schedule).
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, (
             f"scheduled {out.total_num_scheduled_tokens} tokens over a budget of "
@@ -168,8 +175,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             considered.add(id(request))
+            if self._reaches_max_tokens_in_flight(request):
+                i += 1
+                continue
             num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:  # only chapter 02's forked samples and idle beams
+            # No position at or past max_model_len: with a step in flight, a request about to
+            # end by length would otherwise be given one more (vLLM caps it the same way).
+            num_new = min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
+            if num_new <= 0:  # chapter 02's forked samples and idle beams; a request at its end
                 i += 1
                 continue
             num_preempted = len(out.preempted)
@@ -194,6 +207,39 @@ class Scheduler:
             # next to look at is the first running request not looked at yet.
             i = sum(1 for r in self.running if id(r) in considered)
         return budget
+
+    @staticmethod
+    def _reaches_max_tokens_in_flight(request: Request) -> bool:
+        """Async scheduling: the step in flight samples the request's last token (max_tokens),
+        so no further step is needed and none is scheduled (vLLM's check at the top of its loop
+        over running requests). A request that will stop on EOS or a stop token cannot be known
+        in advance: it gets one more step, whose slot is freed when the stop is seen."""
+        if request.num_output_placeholders == 0:
+            return False
+        known_after_flight = request.num_computed_tokens + 1 - request.num_output_placeholders
+        return (known_after_flight + 1
+                >= request.num_prompt_tokens + request.sampling_params.max_tokens)
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Advance every scheduled request by its new tokens now, before the model runs (vLLM:
+        Scheduler._update_after_schedule), so the next step can be scheduled before this one's
+        result is read. Under async scheduling a step that completes a request's sequence also
+        adds an output placeholder: the token it will sample (vLLM's AsyncScheduler)."""
+        now = time.perf_counter()
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            request.num_in_flight_tokens += num_new
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            samples = request.num_computed_tokens >= (request.num_tokens
+                                                      + request.num_output_placeholders)
+            if samples and self.config.async_scheduling:
+                request.num_output_placeholders += 1
+
+    def can_run_ahead(self) -> bool:
+        """Whether the engine may schedule the next step before this one's tokens are read.
+        Always, here; chapter 02's groups (group_scheduler.py) need each token first."""
+        return True
 
     def _pop_victim(self) -> Request:
         """Take the request to preempt out of `running`, as vLLM's scheduler chooses it: under
@@ -273,6 +319,7 @@ class Scheduler:
         out.num_scheduled_tokens = {r.request_id: n for r, n in out.scheduled}
         out.block_ids = {r.request_id: kv.get_block_ids(r.request_id) for r, _ in out.scheduled}
         out.total_num_scheduled_tokens = sum(n for _, n in out.scheduled)
+        out.num_computed_tokens = {r.request_id: r.num_computed_tokens for r, _ in out.scheduled}
         out.num_decode_tokens = sum(1 for r, _ in out.scheduled
                                     if r.num_computed_tokens >= r.num_prompt_tokens)
 
@@ -281,6 +328,9 @@ class Scheduler:
             f"preempting {request.request_id}, which is {request.status.value}, not running")
         self.kv_cache_manager.free(request.request_id)
         request.num_computed_tokens = 0  # recompute prompt + generated tokens later
+        # A step in flight still delivers its token, but changes no counter (vLLM's stale share).
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -307,12 +357,10 @@ class Scheduler:
         """Advance every scheduled request by its computed tokens, append sampled tokens, check
         stops, and free what finished. Returns the requests that received a token."""
         now = time.perf_counter()
-        for request, num_new in sched.scheduled:
-            request.num_computed_tokens += num_new
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
         touched: list[Request] = []
-        for request, _ in sched.scheduled:
+        for request, num_new in sched.scheduled:
+            stale = self._settle_in_flight(request, num_new,
+                                           request.request_id in output.sampled_token_ids)
             for r in self._samplers(request, sched):
                 if r.request_id not in output.sampled_token_ids or r.is_finished:
                     continue
@@ -325,9 +373,28 @@ class Scheduler:
                 if reason is not None:
                     self.finish_request(r, reason)
                     r.metrics.finished_time = now
+                elif self.config.async_scheduling and not stale:
+                    # The blocks this token completes could not be keyed when the step was
+                    # scheduled (the token was a placeholder then): key them now (vLLM keys
+                    # them here under async scheduling).
+                    self.kv_cache_manager.cache_blocks(
+                        r, r.num_computed_tokens - r.num_in_flight_tokens)
                 touched.append(r)
         self._after_update()
         return touched
+
+    @staticmethod
+    def _settle_in_flight(request: Request, num_new: int, sampled: bool) -> bool:
+        """The step's result for `request` is read: it is no longer in flight, and its sampled
+        token, if any, replaces a placeholder. Returns True if the output is stale (the request
+        was preempted while the step ran): its token is kept, no counter moves."""
+        request.num_in_flight_tokens -= num_new
+        if request.num_stale_output_tokens > 0:
+            request.num_stale_output_tokens -= num_new
+            return True
+        if sampled and request.num_output_placeholders > 0:
+            request.num_output_placeholders -= 1
+        return False
 
     def finish_request(self, request: Request, reason: str,
                        stop_reason: int | str | None = None) -> None:

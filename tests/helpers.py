@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def assert_no_blocks_held(llm):
     stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+    assert stats["num_free_blocks"] == stats["num_usable_blocks"], stats
     assert not llm.llm_engine.has_unfinished_requests()
     assert not llm.llm_engine.requests and not llm.llm_engine.parents
     llm.llm_engine.kv_cache_manager.block_pool.check_invariants()

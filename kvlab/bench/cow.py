@@ -19,8 +19,11 @@ def cow_run(kind: str, k: int, prompt_ids: list[int], max_tokens: int, share: bo
     if kind not in ("sampling", "beam"):
         raise ValueError(f"kind must be 'sampling' or 'beam', got {kind!r}")
     total = len(prompt_ids) + max_tokens
+    # The paper's fork (chosen by name: vLLM v1's default is child requests) and no prefix
+    # cache, so that only the fork's sharing is measured.
     llm = LLM(model, block_size=block_size, max_model_len=total + 1,
-              kv_cache_tokens=2 * max(k, 8) * (total + block_size))
+              kv_cache_tokens=2 * max(k, 8) * (total + block_size), parallel_sampling="fork",
+              enable_prefix_caching=False)
     engine = llm.llm_engine
     engine.kv_cache_manager.share_blocks = share
     prompt = {"prompt_token_ids": list(prompt_ids)}
@@ -70,10 +73,10 @@ def cow_savings(prompt_lens=(32, 512), ns=(2, 4, 8), beam_widths=(2, 4, 8),
 
 PARALLEL_SAMPLING_MODES = {
     # label: LLM keyword arguments
-    "fork + CoW (paper, vLLM v0)": dict(parallel_sampling="fork"),
+    "fork + CoW (paper, vLLM v0)": dict(parallel_sampling="fork", enable_prefix_caching=False),
     "child requests + prefix cache (vLLM v1)": dict(parallel_sampling="child_requests",
                                                     enable_prefix_caching=True),
-    "unshared": dict(parallel_sampling="child_requests"),
+    "unshared": dict(parallel_sampling="child_requests", enable_prefix_caching=False),
 }
 
 

@@ -34,6 +34,15 @@ DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
 TEXTS_FILE = Path(__file__).resolve().parents[1] / "data" / "kv_dtype_texts.txt"
 
 
+def model_dtype_for(kv_cache_dtype: str) -> str:
+    """The model dtype an engine needs to store K/V at `kv_cache_dtype`: vLLM stores float K/V
+    only in the model's own dtype (VllmConfig._reject_mismatched_float_kv_cache in
+    vllm/config/vllm.py), so a bfloat16 or float16 cache comes with a model in that dtype (its
+    row then measures the model's precision and the cache's together); the quantized dtypes
+    keep the model's."""
+    return kv_cache_dtype if kv_cache_dtype in ("bfloat16", "float16") else "auto"
+
+
 def load_texts(path: Path | str = TEXTS_FILE) -> list[str]:
     """The committed texts, one per paragraph."""
     return [p.strip() for p in Path(path).read_text().split("\n\n") if p.strip()]
@@ -47,12 +56,16 @@ def text_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
     request."""
     engine = llm.llm_engine
     bs = engine.config.block_size
-    if engine.has_unfinished_requests() or cdiv(len(token_ids), bs) > engine.config.num_blocks:
+    num_blocks = cdiv(len(token_ids), bs)
+    pool = engine.kv_cache_manager.block_pool
+    if engine.has_unfinished_requests() or num_blocks > pool.num_usable_blocks:
         raise ValueError("text_logprobs needs an idle engine whose pool holds the text")
-    request = types.SimpleNamespace(request_id="text", num_computed_tokens=0,
+    request = types.SimpleNamespace(request_id="text", num_tokens=len(token_ids),
                                     token_ids=lambda start, end: token_ids[start:end])
+    # Blocks 1.. (block 0 is the null block), from position 0.
     sched = types.SimpleNamespace(scheduled=[(request, len(token_ids))],
-                                  block_ids={"text": list(range(cdiv(len(token_ids), bs)))})
+                                  num_computed_tokens={"text": 0},
+                                  block_ids={"text": list(range(1, 1 + num_blocks))})
     ids, pos, meta = engine.model_runner.prepare(sched)
     hidden = engine.model.forward(ids, pos, engine.kv_cache, meta)
     return engine.model.compute_logits(hidden[:-1]).log_softmax(-1)  # (len - 1, V)
@@ -126,8 +139,9 @@ def kv_dtype_table(dtypes=DTYPES, memory_bytes: int = 64 * 2**20, request_len: i
     rows, base = [], {}
     for name in tqdm(dtypes, desc="kv dtype", disable=not progress):
         # The pool is the same bytes for every precision; a request of request_len must fit.
-        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory_bytes=memory_bytes,
-                  block_size=block_size, max_model_len=request_len)
+        llm = LLM(model, dtype=model_dtype_for(name), kv_cache_dtype=name,
+                  kv_cache_memory_bytes=memory_bytes, block_size=block_size,
+                  max_model_len=request_len)
         engine = llm.llm_engine
         tok = engine.tokenizer
         tok_ids = [tok(t).input_ids[:request_len] for t in texts]
@@ -154,7 +168,7 @@ def kv_dtype_table(dtypes=DTYPES, memory_bytes: int = 64 * 2**20, request_len: i
             "num_blocks": stats["num_blocks"],
             "capacity_tokens": stats["kv_capacity_tokens"],
             "request_len": request_len,
-            "requests_fit": stats["num_blocks"] // cdiv(request_len, block_size),
+            "requests_fit": stats["num_usable_blocks"] // cdiv(request_len, block_size),
             # Tokens generated before each prompt's first difference from "auto", over all.
             "greedy_agreement": round(agree / (max_tokens * len(outs)), 4),
             "first_divergence": divergence,  # per prompt; None: identical to "auto"
@@ -212,14 +226,15 @@ def capacity_by_dtype(dtypes=DTYPES, memory_bytes: int = 8 * 2**20, concurrency:
     rows = []
     per_request = cdiv(input_len + output_len, block_size)
     for name in tqdm(dtypes, desc="capacity by dtype", disable=not progress):
-        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory_bytes=memory_bytes,
-                  block_size=block_size, max_model_len=input_len + output_len + block_size)
+        llm = LLM(model, dtype=model_dtype_for(name), kv_cache_dtype=name,
+                  kv_cache_memory_bytes=memory_bytes, block_size=block_size,
+                  max_model_len=input_len + output_len + block_size)
         stats = llm.stats()
         rows.append({"kv_cache_dtype": stats["kv_cache_dtype"],
                      "bytes_per_token": stats["kv_bytes_per_token"],
                      "num_blocks": stats["num_blocks"],
                      "memory_bytes": memory_bytes,
-                     "fit_at_once": stats["num_blocks"] // per_request,
+                     "fit_at_once": stats["num_usable_blocks"] // per_request,
                      "concurrency": concurrency,
                      **measure_bursts(llm, concurrency, input_len, output_len, repeats)})
         del llm

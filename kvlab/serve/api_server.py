@@ -12,9 +12,10 @@ beside it:
     engine_client.py  the worker thread that steps the engine (`AsyncEngine`)
     background.py     `BackgroundServer`: this server on a thread, for notebooks and tests
 
-Bad requests get a 400 with the reason, before anything touches the engine. `/health` is 200
-while the engine's worker runs and 503, with the reason, when it does not. `/metrics` has vLLM's
-metric names (`kvlab.serve.prometheus`).
+Bad requests get a 400 with the reason, before anything touches the engine; with
+`--max-num-queued-reqs`, a request past that limit gets vLLM's 503 (`engine_client`), before
+too. `/health` is 200 while the engine's worker runs and 503, with the reason, when it does not.
+`/metrics` has vLLM's metric names (`kvlab.serve.prometheus`).
 
 Threat model of `cache_salt`: by default the client chooses it, so it isolates only a client whose
 salt is secret and unguessable; whoever sends the same salt shares its cached prefixes and can
@@ -35,7 +36,7 @@ from kvlab.engine import LLM
 from kvlab.kv_cache_metrics import KVCacheMetricsCollector
 from kvlab.serve.engine_client import AsyncEngine
 from kvlab.serve.prometheus import CONTENT_TYPE, ServerMetrics
-from kvlab.serve.protocol import RequestFailed, unauthorized
+from kvlab.serve.protocol import RequestFailed, check_max_num_queued_reqs, unauthorized
 from kvlab.serve.serving import OpenAIServing
 from kvlab.serve.tenants import TenantKeys
 from kvlab.serve.tokenization import ServingTokenization
@@ -147,7 +148,8 @@ def build_app(llm: LLM, model_name: str | None = None,
               salt_secret: bytes | None = None,
               dev_mode: bool = False,
               kv_cache_metrics: bool = True,
-              kv_cache_metrics_sample: float = 1.0) -> web.Application:
+              kv_cache_metrics_sample: float = 1.0,
+              max_num_queued_reqs: int | None = None) -> web.Application:
     """The server's aiohttp app. `api_keys` ({key: tenant}) turns on key mode, with the tenants'
     salts derived from `salt_secret` (a random one when None: see `kvlab.serve.tenants`). `dev_mode`
     adds vLLM's development routes (`VLLM_SERVER_DEV_MODE=1` in vLLM: `POST
@@ -155,11 +157,15 @@ def build_app(llm: LLM, model_name: str | None = None,
     there: any client could wipe every tenant's cached prefixes. `kv_cache_metrics` times a
     `kv_cache_metrics_sample` fraction of KV blocks for the residency histograms (vLLM's
     `--kv-cache-metrics`, off by default there, sampling 0.01; on here, every block: the
-    workshop's pools are small)."""
+    workshop's pools are small). `max_num_queued_reqs` (vLLM's `--max-num-queued-reqs`,
+    vllm/config/scheduler.py): the most unfinished sequences at once, a request of n samples
+    counting n; past it a request gets a 503 (`kvlab.serve.engine_client`); None: no limit, as in
+    vLLM. A negative one raises ValueError."""
+    max_num_queued_reqs = check_max_num_queued_reqs(max_num_queued_reqs)
     if api_keys is None and salt_secret is not None:
         raise ValueError("salt_secret is only used with api_keys (key mode)")
     keys = TenantKeys(api_keys, salt_secret) if api_keys is not None else None
-    engine = AsyncEngine(llm)
+    engine = AsyncEngine(llm, max_num_queued_reqs)
     name = model_name or llm.llm_engine.loaded.name
     engine.metrics = server_metrics = ServerMetrics(llm, name)
     pool = llm.llm_engine.kv_cache_manager.block_pool
@@ -169,6 +175,9 @@ def build_app(llm: LLM, model_name: str | None = None,
     server = ApiServer(engine, serving, server_metrics, name, keys)
 
     app = web.Application(middlewares=[server.authenticate] if keys is not None else [])
+    if max_num_queued_reqs is not None:
+        logger.info("admission: at most %d unfinished requests (n > 1 counts n); more get a 503",
+                    max_num_queued_reqs)
     if keys is not None:
         logger.info("key mode: %d API keys for %d tenants; salt secret %s", keys.num_keys,
                     keys.num_tenants, "given" if keys.secret_source == "given" else

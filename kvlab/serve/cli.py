@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    # Unset: vLLM's 256, lowered to the step's token budget (vllm/engine/arg_utils.py).
+    p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-tokens", type=int, default=None,
@@ -40,9 +41,13 @@ def parser() -> argparse.ArgumentParser:
                    help="K/V storage precision (auto: the model's dtype)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="the KV pool's size in bytes (scales included)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    # Unset: on, vLLM's default (vllm/config/cache.py), for the paged layout.
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--prefix-caching-hash-algo", default="sha256")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    # vLLM 0.33.0's default loop (vllm/config/scheduler.py, vllm/config/vllm.py): schedule the
+    # next step before reading this one's tokens. --no-async-scheduling: the synchronous loop.
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     # vLLM 0.33.0's scheduler flags (vllm/config/scheduler.py), with vLLM's defaults.
     p.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
                    default=True, help="admit a request only when its whole prompt fits")
@@ -65,6 +70,12 @@ def parser() -> argparse.ArgumentParser:
                    help="kvlab's attention backend (LLM(backend=...))")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="never compile (unset: the flex backend compiles on a GPU only)")
+    # vLLM 0.33.0's admission limit (vllm/config/scheduler.py, vllm/engine/arg_utils.py), checked
+    # in the API server: a server option here (build_app), not an engine knob.
+    p.add_argument("--max-num-queued-reqs", type=int, default=None, metavar="N",
+                   help="most requests unfinished at once, waiting or running (n > 1 counts "
+                        "n); past it a request gets a 503 to retry elsewhere (default: no "
+                        "limit)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (off, as in vLLM)")
     p.add_argument("--served-model-name", default=None,
@@ -97,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "enable_prefix_caching": args.enable_prefix_caching,
             "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
             "enable_chunked_prefill": args.enable_chunked_prefill,
+            "async_scheduling": args.async_scheduling,
             "scheduler_reserve_full_isl": args.scheduler_reserve_full_isl,
             "watermark": args.watermark, "policy": args.scheduling_policy,
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
@@ -107,8 +119,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
     """The `build_app(...)` keyword arguments a `kvlab serve` command line (and environment)
     stands for. Raises ValueError, never quoting a key or the secret, on a bad map or secret."""
+    from kvlab.serve.protocol import check_max_num_queued_reqs
     from kvlab.serve.tenants import MIN_SECRET_BYTES, parse_api_keys
 
+    max_num_queued_reqs = check_max_num_queued_reqs(args.max_num_queued_reqs)  # before the model
     environ = os.environ if environ is None else environ
     api_keys = salt_secret = None
     if args.api_keys_file:
@@ -131,7 +145,8 @@ def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     return {"enable_prompt_tokens_details": args.enable_prompt_tokens_details,
             "api_keys": api_keys, "salt_secret": salt_secret, "dev_mode": dev_mode,
             "model_name": args.served_model_name, "kv_cache_metrics": args.kv_cache_metrics,
-            "kv_cache_metrics_sample": args.kv_cache_metrics_sample}
+            "kv_cache_metrics_sample": args.kv_cache_metrics_sample,
+            "max_num_queued_reqs": max_num_queued_reqs}
 
 
 def main(argv=None) -> None:

@@ -7,6 +7,17 @@ so a request that arrives while others decode joins them at the next step (conti
 through the API). The worker never dies of a failed step: the requests that failed get a
 `RequestFailed` (an HTTP 500, or, once streaming, an SSE error event), the engine has already
 returned their blocks, and the others go on. `/health` reads `is_alive()` and `dead_reason`.
+
+Admission (vLLM's `--max-num-queued-reqs`, `AsyncLLM.check_admission` in
+vllm/v1/engine/async_llm.py): with a limit set, a request that would take the unfinished
+sequences past it is refused with a 503 before it is handed to the worker, so it leaves nothing
+behind. The count is kept on the event loop's thread, as vLLM's API server keeps it (the entries
+of its OutputProcessor): a sequence counts from the moment its handler is admitted (handed to the
+worker, not yet added, waiting or running) until its last output reaches the loop, its request
+is aborted, or it fails. A request with `n` samples counts `n` (vLLM's child requests), each
+sample leaving the count as it finishes; a completions request with several prompts counts
+prompts x n, checked at once (vLLM checks prompt by prompt and aborts the ones it had admitted
+when a later one is refused: the same 503, with no half-admitted request here).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from kvlab.engine import LLM, EngineStepError
 from kvlab.sampling import SamplingParams
 from kvlab.step_log import StepObserver
 from kvlab.serve.prometheus import ServerMetrics
-from kvlab.serve.protocol import RequestFailed
+from kvlab.serve.protocol import RequestFailed, check_max_num_queued_reqs, queue_overflow
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +76,7 @@ class AsyncEngine:
     and leaves when its handler releases it (one dict operation, atomic).
     """
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, max_num_queued_reqs: int | None = None) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
         self.lock = threading.Lock()
@@ -91,6 +102,14 @@ class AsyncEngine:
         # QUEUED event, stamped as its engine core adds the request between two steps).
         self.samples: dict[str, tuple[list, float]] = {}
         self.stamps = ScheduleStamps()
+        # Admission: the most unfinished sequences at once (None: no limit), and, per engine
+        # request admitted and not yet over, the sample indices still unfinished, with their
+        # total. Touched on the event loop's thread only (the worker posts its outputs there), so
+        # a check and the admission it allows run with no await between them: no two handlers
+        # can both take the last slot.
+        self.max_num_queued_reqs = check_max_num_queued_reqs(max_num_queued_reqs)
+        self.unfinished: dict[str, set[int]] = {}
+        self.num_unfinished = 0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -182,7 +201,7 @@ class AsyncEngine:
                         self._observe(out)
                     entry = self.queues.get(out.request_id)
                     if entry is not None:
-                        self._deliver(entry, out)
+                        self._deliver(out.request_id, entry, out)
             collector = self.engine.kv_cache_manager.block_pool.metrics_collector
             if collector is not None and self.metrics is not None:
                 self.metrics.observe_evictions(collector.drain())
@@ -218,16 +237,61 @@ class AsyncEngine:
                                                   finished_reason="error")
             entry = self.queues.get(rid)
             if entry is not None:
-                self._deliver(entry, RequestFailed(message))
+                self._deliver(rid, entry, RequestFailed(message))
 
-    def _deliver(self, entry: tuple[asyncio.Queue, int], item) -> None:
+    def _deliver(self, rid: str, entry: tuple[asyncio.Queue, int], item) -> None:
         """Put (prompt index, output or failure) on the queue of the HTTP request it belongs
-        to, from the worker thread."""
+        to, from the worker thread; on the loop, the samples it ends leave the admission count
+        first (vLLM's OutputProcessor drops a finished request as it processes its output, however
+        slowly its client reads)."""
         queue, index = entry
+
+        def arrive() -> None:
+            self._retire(rid, None if isinstance(item, RequestFailed) else item)
+            queue.put_nowait((index, item))
+
         try:
-            self.loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+            self.loop.call_soon_threadsafe(arrive)
         except RuntimeError:  # the event loop is closed: the server is going away
             pass
+
+    # ---- admission (the event loop's thread) ----------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        """Sequences admitted and not finished (vLLM's AsyncLLM.get_num_unfinished_requests)."""
+        return self.num_unfinished
+
+    def check_admission(self, n: int, request_id: str) -> None:
+        """Refuse (a 503, `protocol.queue_overflow`) a request of `n` sequences that would take
+        the unfinished ones past `max_num_queued_reqs`; counted in vllm:admission_rejections."""
+        limit = self.max_num_queued_reqs
+        if limit is None or self.num_unfinished + n <= limit:
+            return
+        # An overload, not a fault: a debug line, as vLLM's.
+        logger.debug("request queue full: refusing %s (current=%d, n=%d, max=%d)", request_id,
+                     self.num_unfinished, n, limit)
+        if self.metrics is not None:
+            self.metrics.record_admission_rejection("max_num_queued_reqs")
+        raise queue_overflow()
+
+    def _admit(self, rids: list[str], n: int) -> None:
+        for rid in rids:
+            self.unfinished[rid] = set(range(n))
+        self.num_unfinished += len(rids) * n
+
+    def _retire(self, rid: str, out=None) -> None:
+        """The samples of `rid` that `out` finished leave the count; all of them when `out` is
+        None (aborted, failed, forgotten) or the request's last output. Idempotent."""
+        left = self.unfinished.get(rid)
+        if left is None:
+            return
+        before = len(left)
+        if out is None or out.finished:
+            left.clear()
+        else:
+            left.difference_update(o.index for o in out.outputs if o.finish_reason is not None)
+        self.num_unfinished -= before - len(left)
+        if not left:
+            del self.unfinished[rid]
 
     # ---- the handlers' side ---------------------------------------------------------------------
     def submit(self, fn) -> concurrent.futures.Future:
@@ -248,9 +312,13 @@ class AsyncEngine:
         any is added, so a bad one adds none. `arrival_time` is when the HTTP request came in
         (`time.perf_counter()`): the wait for the worker counts in every latency metric. Raises
         ValueError/TypeError on bad input and RequestFailed when the engine loop is not
-        running. The caller must `release` the ids."""
+        running, or (a 503) when admitting them would pass `max_num_queued_reqs`: then nothing
+        was handed to the worker. The caller must `release` the ids it gets."""
         base = f"cmpl-{next(self.ids)}"
         rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        # Checked and counted with no await in between (see `unfinished`).
+        self.check_admission(len(rids) * params.n, base)
+        self._admit(rids, params.n)
         queue: asyncio.Queue = asyncio.Queue()  # one per HTTP request, for all its prompts
 
         def add():
@@ -268,12 +336,19 @@ class AsyncEngine:
                 fut.exception()  # retrieved, so asyncio does not log it as forgotten
             self.release(rids)
 
-        added = asyncio.wrap_future(self.submit(add))
+        try:
+            added = asyncio.wrap_future(self.submit(add))
+        except RequestFailed:  # the worker is not running
+            self.release(rids)
+            raise
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:
             # The client left before the worker ran the add: once it has, undo it.
             added.add_done_callback(undo)
+            raise
+        except BaseException:
+            self.release(rids)  # refused: nothing (or, had it failed half-way, the rest) stays
             raise
         return rids
 
@@ -294,11 +369,13 @@ class AsyncEngine:
                 unfinished -= 1
 
     def release(self, rids: list[str]) -> None:
-        """Forget the requests; abort those still running (the client went away)."""
+        """Forget the requests; abort those still running (the client went away). Their
+        sequences leave the admission count now, as an abort drops vLLM's at once."""
         running = []
         for rid in rids:
             self.queues.pop(rid, None)
             self.seen.discard(rid)
+            self._retire(rid)
             # Fast path: a request no longer in `parents` has finished or failed, and nothing
             # can bring it back. Otherwise the worker aborts it before its next step (returning
             # its blocks); a worker that is not running has already aborted every request.

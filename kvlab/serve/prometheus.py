@@ -18,6 +18,8 @@ scheduled to first token), `request_decode_time_seconds` (first to last token),
 `request_prompt_tokens`, `request_generation_tokens`, `request_params_max_tokens` and
 `request_params_n`; and `iteration_tokens_total`, per engine step. Arrival is when the HTTP
 request came in (`kvlab.serve.serving`), so TTFT and e2e include the wait for the engine.
+`vllm:admission_rejections` (label reason) counts the requests `--max-num-queued-reqs` refused
+with a 503; such a request never reaches the engine, so it is in no other family.
 
 Where kvlab differs: vLLM observes TTFT and each inter-token gap as its engine steps; kvlab
 observes a request's whole list when it finishes, so an aborted request adds none (vLLM does not
@@ -52,6 +54,10 @@ REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 # vLLM's FinishReason strings (vllm/v1/engine/__init__.py); kvlab never finishes by repetition,
 # but the series is there at 0 as in vLLM's exposition.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+# vLLM's ADMISSION_REASONS (vllm/v1/metrics/loggers.py): the limits its API server refuses a
+# request by. kvlab has the first (`--max-num-queued-reqs`); the second's series stays at 0, there
+# as in vLLM's exposition.
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
 
 
@@ -174,6 +180,15 @@ class ServerMetrics:
             "recent accesses are recorded (ring buffer). Sampled metrics (controlled by "
             "--kv-cache-metrics-sample).", KV_RESIDENCY_BUCKETS)
         self._per_request_families(labels, llm.llm_engine.config.max_model_len)
+        # vLLM's frontend admission counter: counted in the API server, not per engine, so its
+        # labels are model_name and reason (no `engine`), as vLLM's.
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"], registry=self.registry)
+        self.admission_rejections = {
+            reason: rejections.labels(model_name=model_name, reason=reason)
+            for reason in ADMISSION_REASONS}
 
     def _per_request_families(self, labels: dict, max_model_len: int) -> None:
         """vLLM's per-request and per-step families: names, help texts and buckets of
@@ -266,6 +281,10 @@ class ServerMetrics:
                 self.request_params_max_tokens.observe(sample.sampling_params.max_tokens)
         if samples:
             self.request_params_n.observe(samples[0].sampling_params.n)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """A request refused before it entered the engine (`reason`: one of ADMISSION_REASONS)."""
+        self.admission_rejections[reason].inc()
 
     def observe_evictions(self, evictions) -> None:
         for e in evictions:

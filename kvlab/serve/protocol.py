@@ -158,6 +158,32 @@ def unauthorized(message: str) -> web.Response:
     return response
 
 
+# vLLM's QueueOverflowError (vllm/exceptions.py): a GracefulHTTPError, which vLLM's
+# create_error_response (vllm/entrypoints/serve/exception_handling/error_response.py) answers
+# with its own status, the status's phrase as `type` and no `param`. The message is the wire
+# string vLLM sends, kept identical so that a client (or a load balancer's rule) that reads it
+# reads kvlab's the same way.
+QUEUE_OVERFLOW_MESSAGE = ("The engine is currently busy and cannot accept new requests. "
+                          "Please try again later or on a different instance.")
+
+
+def queue_overflow() -> RequestFailed:
+    """The 503 a request gets when admitting it would pass `--max-num-queued-reqs`: an overload,
+    not a failure, so the client may retry here later or at another server."""
+    return RequestFailed(QUEUE_OVERFLOW_MESSAGE, 503, "Service Unavailable")
+
+
+def check_max_num_queued_reqs(value) -> int | None:
+    """vLLM's `max_num_queued_reqs` (vllm/config/scheduler.py): None (no limit) or an int >= 0
+    (0 refuses every request). Raises ValueError otherwise, naming the flag."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"--max-num-queued-reqs (max_num_queued_reqs) must be an integer >= 0, "
+                         f"or unset for no limit; got {value!r}")
+    return int(value)
+
+
 def jinja_errors():
     """The chat template's own errors (a malformed conversation) are the client's fault too."""
     try:

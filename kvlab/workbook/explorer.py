@@ -29,7 +29,7 @@ from kvlab.kv_events import AllBlocksCleared, BlockRemoved
 from kvlab.sampling import SamplingParams
 
 # Block states, in the order the legend lists them.
-FREE, CACHED, HELD, SHARED = "free", "cached", "held", "shared"
+FREE, CACHED, HELD, SHARED, NULL = "free", "cached", "held", "shared", "null"
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,12 @@ class BlockView:
     num_filled: int  # slots holding computed K/V, for the most advanced owner
     key: str | None  # its prefix-cache key, in hex; None when it has none
     just_copied: bool  # written by a copy (copy-on-write, or a fork copy) in the last step
+    is_null: bool = False  # block 0, vLLM's null block: never handed out
 
     @property
     def state(self) -> str:
+        if self.is_null:
+            return NULL
         if self.ref_cnt == 0:
             # A free block that still holds a keyed prefix can be hit again until it is reused:
             # cached but evictable (chapter 05). A free block without a key is just free.
@@ -141,7 +144,7 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
     copied = {dst for _, dst in copies}
     blocks = [BlockView(blk.block_id, blk.ref_cnt, tuple(owners.get(blk.block_id, ())),
                         filled.get(blk.block_id, 0), _key(blk.block_hash),
-                        blk.block_id in copied)
+                        blk.block_id in copied, blk.is_null)
               for blk in pool.blocks]
     requests = {
         r.request_id: RequestView(r.request_id, r.status.value,
@@ -237,10 +240,19 @@ class EngineExplorer:
 
     Defaults suit a picture: greedy, `ignore_eos` (so a request runs its `max_tokens` and the
     picture does not depend on when the model happens to stop) and few tokens.
+
+    The explorer runs its engine's synchronous loop (schedule, run, read: one step per press),
+    so that each picture is one step's. vLLM's default loop, async scheduling, schedules the
+    next step before it reads this one's tokens (`EngineConfig.async_scheduling`); the blocks
+    and tokens are the same, one step apart (chapter 03 shows both loops).
     """
 
     def __init__(self, llm_or_engine, max_tokens: int = 8) -> None:
         self.engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+        if self.engine.batch_queue:
+            raise ValueError("the engine has steps in flight: give the explorer an idle engine")
+        # The engine's own (resolved) config: only this engine runs the synchronous loop.
+        self.engine.config.async_scheduling = False
         self.max_tokens = max_tokens
         self.num_added = 0
         self.snap = snapshot(self.engine)

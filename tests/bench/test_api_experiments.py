@@ -98,7 +98,7 @@ def test_reproduce_cli_with_base_url_saves_json_and_csv(kvlab_server, tmp_path, 
 def test_what_a_server_without_vllms_extras_cannot_answer():
     """A plain kvlab serve without prefix caching, dev routes or cached_tokens: each missing
     piece is a 'not measurable' row with its reason, never a number."""
-    llm = LLM(max_model_len=512, kv_cache_tokens=2048)
+    llm = LLM(max_model_len=512, kv_cache_tokens=2048, enable_prefix_caching=False)
     server = BackgroundServer(llm)
     try:
         out = run_api_experiments(server.url, ["prefix-cache"], size="small", progress=False,

@@ -44,9 +44,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
         (dict(kv_cache_memory_bytes=0), ValueError, "kv_cache_memory_bytes"),
         (dict(kv_cache_memory_bytes=2**20, kv_cache_tokens=256), ValueError,
          "both size the KV pool"),
-        (dict(kv_cache_memory_bytes=1000), ValueError, "smaller than one KV block.*737280"),
+        (dict(kv_cache_memory_bytes=1000), ValueError, "smaller than two KV blocks.*737280"),
         (dict(kv_cache_memory_bytes=4 * 2**20, max_model_len=256), ValueError,
-         "holds 80 tokens.*max_model_len=256"),
+         "holds 64 tokens.*max_model_len=256"),
     ],
 )
 def test_bad_engine_knobs(kwargs, error, words):

@@ -12,35 +12,36 @@ from kvlab.kv_cache import KVCacheManager
 
 def test_fork_shares_every_block_and_cow_copies_the_partial_one():
     m = KVCacheManager(num_blocks=8, block_size=4, max_model_len=32)
-    assert m.allocate_slots("p", 6)  # blocks [0, 1], the second half full
+    assert m.allocate_slots("p", 6)  # blocks [1, 2] (0 is the null block), the second half full
     assert m.fork("p", "c")
     pool = m.block_pool
-    assert m.get_block_ids("c") == m.get_block_ids("p") == [0, 1]
-    assert [b.ref_cnt for b in pool.blocks[:2]] == [2, 2]
-    # The child writes token 6 into block 1, still shared: it gets its own copy first.
+    assert m.get_block_ids("c") == m.get_block_ids("p") == [1, 2]
+    assert [b.ref_cnt for b in pool.blocks[1:3]] == [2, 2]
+    # The child writes token 6 into block 2, still shared: it gets its own copy first.
     assert m.allocate_slots("c", 7, num_computed_tokens=6)
-    assert m.get_block_ids("c") == [0, 2] and m.take_pending_copies() == [(1, 2)]
-    assert [b.ref_cnt for b in pool.blocks[:3]] == [2, 1, 1]
-    # The parent is now the only owner of block 1: it writes in place, no copy.
+    assert m.get_block_ids("c") == [1, 3] and m.take_pending_copies() == [(2, 3)]
+    assert [b.ref_cnt for b in pool.blocks[1:4]] == [2, 1, 1]
+    # The parent is now the only owner of block 2: it writes in place, no copy.
     assert m.allocate_slots("p", 7, num_computed_tokens=6)
-    assert m.get_block_ids("p") == [0, 1] and m.take_pending_copies() == []
+    assert m.get_block_ids("p") == [1, 2] and m.take_pending_copies() == []
     assert m.num_cow_copies == 1
     m.free("p")
-    assert pool.blocks[0].ref_cnt == 1 and pool.blocks[1].ref_cnt == 0
+    assert pool.blocks[1].ref_cnt == 1 and pool.blocks[2].ref_cnt == 0
     m.free("c")
-    assert pool.get_num_free_blocks() == 8
+    assert pool.get_num_free_blocks() == 7
     pool.check_invariants()
 
 
 def test_cow_needs_a_free_block_and_takes_nothing_without_one():
-    m = KVCacheManager(num_blocks=2, block_size=4, max_model_len=8)
+    m = KVCacheManager(num_blocks=3, block_size=4, max_model_len=8)  # null block + 2
     assert m.allocate_slots("p", 6) and m.fork("p", "c")
     assert not m.allocate_slots("c", 7, num_computed_tokens=6)  # a copy needs a block: none
-    assert m.get_block_ids("c") == [0, 1] and m.num_cow_copies == 0
+    assert m.get_block_ids("c") == [1, 2] and m.num_cow_copies == 0
     m.block_pool.check_invariants()
 
 
-llm = llm_fixture(block_size=8, max_model_len=256, kv_cache_tokens=2048)
+# The paper's fork, chosen by name (vLLM v1's default for n > 1 is child requests).
+llm = llm_fixture(block_size=8, max_model_len=256, kv_cache_tokens=2048, parallel_sampling="fork")
 
 
 def test_parallel_samples_share_the_prompt_and_equal_unshared_runs(llm, text_ids):
@@ -67,7 +68,8 @@ def test_parallel_samples_share_the_prompt_and_equal_unshared_runs(llm, text_ids
 def test_greedy_samples_are_identical_and_contiguous_forks_by_copying(text_ids, hf_greedy):
     prompt = {"prompt_token_ids": text_ids[:30]}
     for layout in ("paged", "contiguous"):
-        llm = LLM(block_size=8, kv_layout=layout, max_model_len=64, kv_cache_tokens=256)
+        llm = LLM(block_size=8, kv_layout=layout, max_model_len=64, kv_cache_tokens=256,
+                  parallel_sampling="fork")
         out = llm.generate(prompt, SamplingParams(n=3, max_tokens=12, temperature=0,
                                                   ignore_eos=True))[0]
         ref = hf_greedy(text_ids[:30], 12)
@@ -103,7 +105,7 @@ def test_beam_search_equals_transformers(llm, loaded, beam_width):
 
 @pytest.mark.slow
 def test_beam_search_bad_input_and_exhaustion(text_ids):
-    small = LLM(block_size=4, max_model_len=64, kv_cache_tokens=64)  # 16 blocks
+    small = LLM(block_size=4, max_model_len=64, kv_cache_tokens=64)  # 16 usable blocks
     prompt = {"prompt_token_ids": text_ids[:20]}
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
@@ -128,7 +130,8 @@ def test_samples_under_memory_pressure_are_preempted_not_changed(text_ids):
     prompt = {"prompt_token_ids": text_ids[:30]}
     sp = SamplingParams(n=4, max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
     roomy = LLM(block_size=4, max_model_len=64, kv_cache_tokens=1024).generate(prompt, sp)[0]
-    tight = LLM(block_size=4, max_model_len=64, kv_cache_tokens=72)  # 18 blocks for 4 x 14
+    tight = LLM(block_size=4, max_model_len=64, kv_cache_tokens=72,  # 18 blocks for 4 x 14
+                parallel_sampling="fork")
     out = tight.generate(prompt, sp)[0]
     assert tight.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.outputs]

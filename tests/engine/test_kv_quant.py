@@ -9,6 +9,8 @@ measured: `python -m kvlab.bench kv-dtype`)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -154,16 +156,32 @@ def test_quantized_cache_on_the_meta_device_has_the_logical_shape():
 
 
 # ---------------------------------------------------------------- on the real model
+LLMBase = LLM
+
+
+@pytest.mark.parametrize("name, dtype, allowed", [
+    ("bfloat16", "float32", "`auto`."), ("float16", "bfloat16", "`auto` or `bfloat16`.")])
+def test_a_float_kv_dtype_unlike_the_models_is_refused_as_vllm_refuses_it(name, dtype, allowed):
+    """vLLM stores float K/V only in the model's dtype (VllmConfig._reject_mismatched_float_kv_cache,
+    vllm/config/vllm.py): refused before any pool is allocated, with vLLM's words."""
+    with pytest.raises(ValueError, match=f'kv_cache_dtype="{name}" is incompatible with '
+                                         f'dtype="{dtype}".*{allowed}'):
+        LLM(dtype=dtype, kv_cache_dtype=name, kv_cache_tokens=256, max_model_len=64)
 
 
 def test_the_same_bytes_hold_more_tokens_at_lower_precision():
     budget = 16 * 2**20
     rows = {}
-    for name in ("auto", "bfloat16", "int8_per_token_head", "int4_per_token_head"):
-        s = LLM(kv_cache_dtype=name, kv_cache_memory_bytes=budget, max_model_len=128).stats()
+    # (model dtype, KV dtype): vLLM stores float K/V only in the model's own dtype, so bf16 KV
+    # comes with a bf16 model.
+    for dtype, name in (("float32", "auto"), ("bfloat16", "bfloat16"),
+                        ("float32", "int8_per_token_head"), ("float32", "int4_per_token_head")):
+        s = LLM(dtype=dtype, kv_cache_dtype=name, kv_cache_memory_bytes=budget,
+                max_model_len=128).stats()
         block_bytes = s["kv_bytes_per_token"] * s["block_size"]
         assert s["num_blocks"] == budget // block_bytes  # whole blocks, as vLLM
         assert s["kv_cache_bytes"] == s["num_blocks"] * block_bytes <= budget
+        assert s["kv_capacity_tokens"] == (s["num_blocks"] - 1) * s["block_size"]  # null block
         assert s["kv_cache_dtype"] == name
         rows[name] = s["kv_capacity_tokens"]
     assert rows["auto"] < rows["bfloat16"] < rows["int8_per_token_head"] < rows[
@@ -207,10 +225,14 @@ def test_cached_chunked_and_preempted_equal_the_plain_run_at_each_precision(name
     # Two 30-token prompts sharing their first 16 tokens (one full block, bs 16).
     prompts = [{"prompt_token_ids": text_ids[:16] + text_ids[40 + 20 * i : 54 + 20 * i]}
                for i in range(2)]
-    plain = outputs(LLM(kv_cache_dtype=name, max_model_len=64, kv_cache_tokens=1024), prompts)
+    # bf16 K/V only on a bf16 model (vLLM refuses a float KV dtype unlike the model's); the
+    # plain run is then the bf16 model's.
+    LLM = functools.partial(LLMBase, dtype="bfloat16") if name == "bfloat16" else LLMBase
+    plain = outputs(LLM(kv_cache_dtype=name, max_model_len=64, kv_cache_tokens=1024,
+                        enable_prefix_caching=False), prompts)
     # Chunked: 8-token chunks, so every prompt is read back from the pool across steps.
     chunked = LLM(kv_cache_dtype=name, max_model_len=64, kv_cache_tokens=1024,
-                  max_num_batched_tokens=8)
+                  max_num_batched_tokens=8, enable_prefix_caching=False)
     assert_logprobs_close(plain, outputs(chunked, prompts))
     # Cached: cold, then warm (the shared first block hits). The hit holds exactly what the
     # cold run wrote; only the recomputed tail (in another batch) can differ, in the last bits.
@@ -222,8 +244,9 @@ def test_cached_chunked_and_preempted_equal_the_plain_run_at_each_precision(name
     assert_logprobs_close(cold + plain[1:], [o.outputs[0] for o in warm])
     # Preempted: 4 blocks for two 2-block prompts that each grow into a third block.
     block_bytes = cached.stats()["kv_bytes_per_token"] * 16
-    tight = LLM(kv_cache_dtype=name, max_model_len=48, kv_cache_memory_bytes=4 * block_bytes)
-    assert tight.stats()["num_blocks"] == 4
+    tight = LLM(kv_cache_dtype=name, max_model_len=48, kv_cache_memory_bytes=5 * block_bytes,
+                enable_prefix_caching=False)
+    assert tight.stats()["num_blocks"] == 5  # 4 usable: block 0 is the null block
     assert_logprobs_close(plain, outputs(tight, prompts))
     assert tight.stats()["num_preemptions"] > 0
 
@@ -232,7 +255,8 @@ def test_cached_chunked_and_preempted_equal_the_plain_run_at_each_precision(name
 def test_forked_samples_copy_scales_on_write_and_equal_unforked_runs(name, text_ids):
     """n=2 forks the prompt's blocks, the partly filled last one included; the first write into
     it copies the block (values and scales) first. Each sample equals its seed run alone."""
-    llm = LLM(kv_cache_dtype=name, max_model_len=64, kv_cache_tokens=512)
+    llm = LLM(kv_cache_dtype=name, max_model_len=64, kv_cache_tokens=512,
+              parallel_sampling="fork")
     prompt = {"prompt_token_ids": text_ids[:21]}  # 16 + 5: a partial last block
     sp = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
     out = llm.generate(prompt, sp)[0]

@@ -57,33 +57,34 @@ def test_lookup_hits_full_blocks_only_and_never_the_last_token():
 
 
 def test_freed_blocks_keep_their_keys_and_evict_tail_first():
-    m = KVCacheManager(4, 2, 16, enable_prefix_caching=True)
-    req = make_request("a", range(8))  # four full blocks: the whole pool
+    m = KVCacheManager(5, 2, 16, enable_prefix_caching=True)  # block 0 + 4
+    req = make_request("a", range(8))  # four full blocks (1-4): the whole pool
     admit(m, req)
     m.free("a")
     pool = m.block_pool
     # Freed last block first: the head of the queue (evicted first) is the request's tail.
-    assert list(pool.free_queue) == [3, 2, 1, 0]
+    assert list(pool.free_queue) == [4, 3, 2, 1]
     assert len(pool.cached_block_hash_to_block) == 4
     (taken,) = pool.get_new_blocks(1)  # reuse evicts the head, and drops its key
-    assert taken.block_id == 3 and taken.block_hash is None
+    assert taken.block_id == 4 and taken.block_hash is None
     assert len(pool.cached_block_hash_to_block) == 3
     pool.free_blocks([taken])
-    assert admit(m, make_request("b", range(8))) == 6  # blocks 0-2 still there
+    assert admit(m, make_request("b", range(8))) == 6  # blocks 1-3 still there
     pool.check_invariants()
 
 
 def test_hits_are_taken_before_new_blocks_are_popped():
-    # 3 blocks. "a" fills and frees two cached blocks; they are the only free ones besides one.
-    m = KVCacheManager(3, 2, 16, enable_prefix_caching=True)
+    # 3 usable blocks (and block 0). "a" fills and frees two cached blocks; they are the only
+    # free ones besides one.
+    m = KVCacheManager(4, 2, 16, enable_prefix_caching=True)
     admit(m, make_request("a", [1, 2, 3, 4]))
     m.free("a")
     pool = m.block_pool
     # "b" hits both cached blocks and needs one new block: the hits must not be the ones popped.
     b = make_request("b", [1, 2, 3, 4, 5])
     assert admit(m, b) == 4
-    assert sorted(m.get_block_ids("b")[:2]) == [0, 1] and all(
-        pool.blocks[i].block_hash is not None for i in (0, 1))
+    assert sorted(m.get_block_ids("b")[:2]) == [1, 2] and all(
+        pool.blocks[i].block_hash is not None for i in (1, 2))
     # A request whose hits leave too few free blocks is refused, taking nothing.
     c = make_request("c", [1, 2, 3, 4, 5, 6, 7, 8])
     hits, n = m.get_computed_blocks(c)
@@ -171,7 +172,7 @@ def test_cache_salt_table(text_ids):
 
 
 def test_caching_off_finds_nothing(text_ids):
-    llm = LLM(block_size=16, max_model_len=512, kv_cache_tokens=4096)
+    llm = LLM(block_size=16, max_model_len=512, kv_cache_tokens=4096, enable_prefix_caching=False)
     for _ in range(2):
         out = llm.generate({"prompt_token_ids": text_ids[:100]}, GREEDY)[0]
         assert out.num_cached_tokens == 0

@@ -74,7 +74,9 @@ def test_abort_mid_prefill_and_mid_decode(text_ids):
 
 
 def test_a_request_that_can_never_fit_is_refused_not_hung(text_ids):
-    llm = LLM(block_size=8, max_model_len=64, kv_cache_tokens=256, max_num_seqs=2)
+    llm = LLM(block_size=8, max_model_len=64, kv_cache_tokens=256, max_num_seqs=2,
+              parallel_sampling="fork")
+    # Forked samples must run together: three of them can never fit two seats.
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate({"prompt_token_ids": text_ids[:10]}, SamplingParams(n=3))
     with pytest.raises(ValueError, match="max_model_len"):
@@ -85,7 +87,9 @@ def test_a_request_that_can_never_fit_is_refused_not_hung(text_ids):
 
 
 def test_arrivals_while_running_and_metrics(text_ids):
-    llm = LLM(block_size=16, max_model_len=512, kv_cache_tokens=4096)
+    # b repeats a's prompt: with no prefix cache its whole prompt runs beside a's decode.
+    llm = LLM(block_size=16, max_model_len=512, kv_cache_tokens=4096,
+              enable_prefix_caching=False)
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": text_ids[:30]}, SP)
     engine.step()

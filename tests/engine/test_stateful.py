@@ -26,14 +26,17 @@ def fake_execute_model(engine):
     """Stand-in for ModelRunner.execute_model: same contract, no forward pass."""
 
     def execute_model(sched):
-        done = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        # Where each step starts is in the output (schedule() has advanced the requests), and
+        # under async scheduling the last input token may still be in flight: the fake's "next
+        # token" is a function of the prompt and the position, known in either loop.
+        ends = {r.request_id: sched.num_computed_tokens[r.request_id] + n
+                for r, n in sched.scheduled}
+        done = [r for r, n in sched.scheduled if ends[r.request_id] >= r.num_tokens]
         # Forked samples draw from their parent's row, as the real runner does.
         rows = [(r, s) for r in done for s in [r, *sched.forked.get(r.request_id, [])]]
         logits = torch.zeros((len(rows), FAKE_VOCAB))
         for i, (r, _) in enumerate(rows):
-            # Deterministic "next token": a function of the sequence so far.
-            last = r.token_ids(r.num_tokens - 1, r.num_tokens)[0]
-            logits[i, (last * 31 + r.num_tokens * 7) % 1000 + 100] = 10.0
+            logits[i, (r.prompt_token_ids[-1] * 31 + ends[r.request_id] * 7) % 1000 + 100] = 10.0
         result = engine.model_runner.sampler(logits, [s.sampling_params for _, s in rows],
                                              [s.generator for _, s in rows])
         return ModelRunnerOutput({s.request_id: t for (_, s), t in zip(rows, result.token_ids)})
@@ -48,15 +51,20 @@ class EngineMachine(RuleBasedStateMachine):
                 chunked=st.booleans(),
                 caching=st.booleans(),
                 scheduling=st.sampled_from(["continuous", "static"]),
-                max_num_seqs=st.integers(1, 8))
-    def setup(self, block_size, kv_blocks, budget, chunked, caching, scheduling, max_num_seqs):
+                max_num_seqs=st.integers(1, 8),
+                async_scheduling=st.booleans(),
+                parallel_sampling=st.sampled_from(["fork", "child_requests"]))
+    def setup(self, block_size, kv_blocks, budget, chunked, caching, scheduling, max_num_seqs,
+              async_scheduling, parallel_sampling):
         max_model_len = min(kv_blocks * block_size, 48)
         if not chunked:
             budget = max(budget, max_model_len)
+        max_num_seqs = min(max_num_seqs, budget)  # vLLM refuses a budget below max_num_seqs
         self.llm = LLM(block_size=block_size, kv_cache_tokens=kv_blocks * block_size,
                        max_model_len=max_model_len, max_num_batched_tokens=budget,
                        enable_chunked_prefill=chunked, enable_prefix_caching=caching,
-                       scheduling=scheduling, max_num_seqs=max_num_seqs)
+                       scheduling=scheduling, max_num_seqs=max_num_seqs,
+                       async_scheduling=async_scheduling, parallel_sampling=parallel_sampling)
         self.engine = self.llm.llm_engine
         self.engine.model_runner.execute_model = fake_execute_model(self.engine)
         self.kv = self.engine.kv_cache_manager
@@ -141,7 +149,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         for rid in list(self.live):
             self.engine.abort_request(rid)
-        assert self.kv.block_pool.get_num_free_blocks() == self.kv.num_blocks
+        assert self.kv.block_pool.get_num_free_blocks() == self.kv.block_pool.num_usable_blocks
         assert not self.engine.requests and not self.engine.parents
 
 

@@ -2,11 +2,15 @@
 
 Each test is named after the vLLM test it re-expresses and cites its file under
 vllm-project/vllm `tests/v1/core/`. The scenarios keep vLLM's block size, pool size, token ids,
-order of calls and expected outcomes (block ids and free-queue order in vLLM's numbering); the
-deliberate differences between the two code bases (the null block, allocate_slots' totals, the
-scheduler's output shape, ...) are bridged by ONE adapter, `tests/engine/vllm_adapter.py`, which says
-what each one is. No model is loaded: like vLLM's, these tests build the manager and the
-scheduler from small fixtures.
+order of calls and expected outcomes. Block ids, pool sizes, free counts and free-queue order
+are vLLM's literal numbers, read directly: kvlab's BlockPool(N), like vLLM's, reserves block 0
+as the null block and hands out ids 1..N-1. Where vLLM's test exercises its
+FreeKVCacheBlockQueue or BlockHashToBlockMap alone (blocks outside any pool, no null block),
+the port uses a plain pool, `BlockPool(n, null_block=False)`, and says so. The deliberate
+differences between the two code bases (allocate_slots' totals, the scheduler's output shape,
+...) are bridged by ONE adapter, `tests/engine/vllm_adapter.py`, which says what each one is. No
+model is loaded: like vLLM's, these tests build the manager and the scheduler from small
+fixtures.
 
 The vLLM test copy read for this port may be newer than 0.33.0; each expectation was checked
 against the 0.33.0 source (vllm/v1/core/block_pool.py, kv_cache_manager.py, kv_cache_utils.py,
@@ -29,16 +33,14 @@ from tests.engine.vllm_adapter import (
     SchedulerAdapter,
     allocate_slots,
     append_output_token_ids,
+    block_ids,
     create_requests,
     create_requests_with_priority,
     create_scheduler,
     create_scheduler_with_priority,
-    free_queue_vids,
     make_manager,
     make_request,
     runner_output,
-    vblock,
-    vids,
 )
 
 from kvlab.block_pool import BlockPool, KVCacheBlock  # noqa: E402
@@ -76,7 +78,7 @@ def chain(token_ids, block_size, salt=None, algo="sha256"):
 # =================================================================================================
 @pytest.mark.parametrize("hash_algo", HASH_ALGOS)  # vLLM: hash_fn in [sha256, sha256_cbor]
 def test_prefill(hash_algo):
-    """test_prefix_caching.py::test_prefill (11 vLLM blocks of 16 tokens)."""
+    """test_prefix_caching.py::test_prefill (a pool of 11 blocks of 16 tokens)."""
     block_size = 16
     manager = make_manager(11, block_size, hash_algo=hash_algo)
     pool = manager.block_pool
@@ -89,27 +91,27 @@ def test_prefill(hash_algo):
     assert len(req0.block_hashes) == 3
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req0, 55, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and vids(blocks) == [1, 2, 3, 4]
+    assert blocks is not None and block_ids(blocks) == [1, 2, 3, 4]
 
     # Full blocks carry the chained key; ref_cnt 1.
     parent = None
     for block_id in (1, 2, 3):
         tokens = all_token_ids[(block_id - 1) * 16 : block_id * 16]
         key = hash_block_tokens(parent, tokens, (), hash_algo)
-        assert vblock(pool, block_id).block_hash == key
-        assert vblock(pool, block_id).ref_cnt == 1
+        assert pool.blocks[block_id].block_hash == key
+        assert pool.blocks[block_id].ref_cnt == 1
         parent = key
     # The partial block has no key.
-    assert vblock(pool, 4).block_hash is None and vblock(pool, 4).ref_cnt == 1
+    assert pool.blocks[4].block_hash is None and pool.blocks[4].ref_cnt == 1
 
     # Cache hit in the common prefix while the original blocks are in use (5-token tail).
     req1 = make_request("1", common_token_ids + [3] * 5)
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req1)
     assert len(req1.block_hashes) == 3
-    assert vids(computed_blocks) == [1, 2, 3] and num_computed_tokens == 3 * 16
+    assert block_ids(computed_blocks) == [1, 2, 3] and num_computed_tokens == 3 * 16
     blocks = allocate_slots(manager, req1, 53 - 3 * 16, len(computed_blocks) * 16,
                             computed_blocks)
-    assert blocks is not None and vids(blocks) == [5]
+    assert blocks is not None and block_ids(blocks) == [5]
     assert all(b.ref_cnt == 2 for b in computed_blocks)
     assert pool.get_num_free_blocks() == 5
 
@@ -118,16 +120,16 @@ def test_prefill(hash_algo):
     assert pool.get_num_free_blocks() == 10
     # [partial blocks without a key, 5 then 4: prepended, reused first]
     # [never used: 6..10] [the common prefix, freed last block first: 3, 2, 1]
-    assert free_queue_vids(pool) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert list(pool.free_queue) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
 
     # Cache hit in the common prefix when the original blocks are already free.
     req2 = make_request("2", common_token_ids + [3] * 6)
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req2)
     assert len(req2.block_hashes) == 3
-    assert vids(computed_blocks) == [1, 2, 3] and num_computed_tokens == 3 * 16
+    assert block_ids(computed_blocks) == [1, 2, 3] and num_computed_tokens == 3 * 16
     blocks = allocate_slots(manager, req2, 53 - 3 * 16, len(computed_blocks) * 16,
                             computed_blocks)
-    assert blocks is not None and vids(blocks) == [5]  # reuses the partial block 5
+    assert blocks is not None and block_ids(blocks) == [5]  # reuses the partial block 5
     assert pool.get_num_free_blocks() == 6
     assert all(b.ref_cnt == 0 for b in pool.free_queue.values())
     assert len(pool.free_queue) == 6
@@ -138,7 +140,7 @@ def test_prefill(hash_algo):
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req3)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req3, 16 * 10, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and vids(blocks) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert blocks is not None and block_ids(blocks) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     assert pool.get_num_free_blocks() == 0 and not pool.free_queue
     pool.check_invariants()
 
@@ -152,7 +154,7 @@ def test_decode():
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req0)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req0, 55, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and vids(blocks) == [1, 2, 3, 4]
+    assert blocks is not None and block_ids(blocks) == [1, 2, 3, 4]
 
     # Append slots without allocating a new block.
     req0.num_computed_tokens = 55
@@ -184,29 +186,29 @@ def test_evict():
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req0, 5 * 16 + 7, len(computed_blocks) * 16, computed_blocks)
     assert blocks is not None and len(blocks) == 6  # 5 full + 1 partial
-    assert vids(blocks) == [1, 2, 3, 4, 5, 6]
+    assert block_ids(blocks) == [1, 2, 3, 4, 5, 6]
 
     req1 = make_request("1", list(range(last_token_id, last_token_id + 3 * 16)))
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req1)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req1, 3 * 16, len(computed_blocks) * 16, computed_blocks)
     assert blocks is not None and len(blocks) == 3  # 3 full blocks
-    assert vids(blocks) == [7, 8, 9]
+    assert block_ids(blocks) == [7, 8, 9]
     assert pool.get_num_free_blocks() == 1  # 10 - (6 + 3)
 
     manager.free(req0.request_id)
     # The partial block (no key) at the head, the keyed ones at the tail (LRU).
-    assert free_queue_vids(pool) == [6, 10, 5, 4, 3, 2, 1]
+    assert list(pool.free_queue) == [6, 10, 5, 4, 3, 2, 1]
     manager.free(req1.request_id)
     assert pool.get_num_free_blocks() == 10
-    assert free_queue_vids(pool) == [6, 10, 5, 4, 3, 2, 1, 9, 8, 7]
+    assert list(pool.free_queue) == [6, 10, 5, 4, 3, 2, 1, 9, 8, 7]
 
     # Touch the first 2 blocks.
     req2 = make_request("2", list(range(2 * 16 + 3)))
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req2)
-    assert vids(computed_blocks) == [1, 2] and num_computed_tokens == 2 * 16
+    assert block_ids(computed_blocks) == [1, 2] and num_computed_tokens == 2 * 16
     blocks = allocate_slots(manager, req2, 3, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and vids(blocks) == [6]
+    assert blocks is not None and block_ids(blocks) == [6]
     assert pool.get_num_free_blocks() == 7
 
 
@@ -245,13 +247,13 @@ def test_computed_blocks_not_evicted():
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req0)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req0, num_tokens, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and len(blocks) == 1 and vids(blocks) == [1]
+    assert blocks is not None and len(blocks) == 1 and block_ids(blocks) == [1]
 
     req1 = make_request("1", list(range(num_tokens, num_tokens * 2)))
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req1)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req1, num_tokens, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and len(blocks) == 1 and vids(blocks) == [2]
+    assert blocks is not None and len(blocks) == 1 and block_ids(blocks) == [2]
 
     manager.free(req0.request_id)
     manager.free(req1.request_id)
@@ -259,14 +261,14 @@ def test_computed_blocks_not_evicted():
     # A hit on the first block: the second cached block is evicted, not the first.
     req2 = make_request("2", list(range(num_tokens * 2)))
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req2)
-    assert vids(computed_blocks) == [1] and num_computed_tokens == block_size
+    assert block_ids(computed_blocks) == [1] and num_computed_tokens == block_size
     blocks = allocate_slots(manager, req2, num_tokens * 2 - num_tokens,
                             len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and len(blocks) == 1 and vids(blocks) == [2]
+    assert blocks is not None and len(blocks) == 1 and block_ids(blocks) == [2]
 
 
 def test_basic_prefix_caching_disabled():
-    """test_prefix_caching.py::test_basic_prefix_caching_disabled (block size 4, 5 vLLM blocks).
+    """test_prefix_caching.py::test_basic_prefix_caching_disabled (block size 4, a pool of 5).
 
     Block ids beyond vLLM's counts are pinned from 0.33.0's BlockPool.free_blocks: with caching
     off no block has a key, so freed blocks are prepended (LIFO reuse)."""
@@ -278,16 +280,16 @@ def test_basic_prefix_caching_disabled():
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req1)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req1, 10, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and len(blocks) == 3 and vids(blocks) == [1, 2, 3]
+    assert blocks is not None and len(blocks) == 3 and block_ids(blocks) == [1, 2, 3]
     manager.free(req1.request_id)
-    assert free_queue_vids(pool) == [3, 2, 1, 4]
+    assert list(pool.free_queue) == [3, 2, 1, 4]
 
     # No caching: a shared prefix finds nothing.
     req2 = make_request("2", list(range(16)))
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(req2)
     assert not computed_blocks and num_computed_tokens == 0
     blocks = allocate_slots(manager, req2, 16, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and len(blocks) == 4 and vids(blocks) == [3, 2, 1, 4]
+    assert blocks is not None and len(blocks) == 4 and block_ids(blocks) == [3, 2, 1, 4]
     assert all(b.block_hash is None for b in pool.blocks)
 
     # The pool is full: a new request gets no blocks.
@@ -306,7 +308,8 @@ def test_cache_blocks(hash_algo):
     num_full_blocks); kvlab: KVCacheManager.cache_blocks(request, num_tokens), which remembers
     how many of the request's blocks are keyed.)"""
     block_size = 4
-    manager = make_manager(5, block_size, hash_algo=hash_algo)  # vLLM: BlockPool(5)
+    # vLLM keys through BlockPool(num_gpu_blocks=5); kvlab through a manager over one.
+    manager = make_manager(5, block_size, hash_algo=hash_algo)
     pool = manager.block_pool
     # Blocks: [0, 1, 2, 3] [4, 5, 6, 7] [8, 9, 10, 11] [12, 13]
     req = make_request("0", list(range(14)))
@@ -346,7 +349,7 @@ def test_cache_key_salting():
                                                 token_ids[block_size * 2 : block_size * 3], ())
 
     blocks = allocate_slots(manager, req0, 59, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and vids(blocks) == [1, 2, 3, 4]
+    assert blocks is not None and block_ids(blocks) == [1, 2, 3, 4]
     req0.num_computed_tokens = 59
 
     # Append slots without allocating a new block; the 4th block becomes full and keyed.
@@ -433,13 +436,13 @@ def test_reset_prefix_cache():
     full_block_token_ids = [i for i in range(3) for _ in range(16)]
     req0 = make_request("0", full_block_token_ids + [3] * 7)
     blocks = allocate_slots(manager, req0, 55)
-    assert blocks is not None and vids(blocks) == [1, 2, 3, 4]
+    assert blocks is not None and block_ids(blocks) == [1, 2, 3, 4]
 
     req1 = make_request("1", full_block_token_ids + [4] * 7)
     computed_blocks, _ = manager.get_computed_blocks(req1)
     assert len(req1.block_hashes) == 3 and len(computed_blocks) == 3
     blocks = allocate_slots(manager, req1, 7, len(computed_blocks) * 16, computed_blocks)
-    assert blocks is not None and vids(blocks) == [5]
+    assert blocks is not None and block_ids(blocks) == [5]
 
     # Blocks are still held: the reset fails and changes nothing.
     keys_before = {k: dict(v) for k, v in pool.cached_block_hash_to_block.items()}
@@ -458,7 +461,8 @@ def test_reset_prefix_cache():
 def test_maybe_evict_cached_block():
     """test_prefix_caching.py::test_maybe_evict_cached_block: two blocks under one key; evicting
     one keeps the key for the other. (vLLM: BlockPool._maybe_evict_cached_block; kvlab:
-    BlockPool.uncache_block, which forgets a block's key the same way.)"""
+    BlockPool.uncache_block, which forgets a block's key the same way.) As in vLLM's test, all
+    four blocks of BlockPool(4) are keyed by hand, block 0 (the null block) included."""
     pool = BlockPool(4)
     block_hash0, block_hash1, block_hash2 = b"10", b"20", b"30"
     # block 3 has exactly the same key as block 0
@@ -504,7 +508,7 @@ def test_kv_cache_events(blocks_to_cache):
     assert len(block.token_ids) == block.block_size * len(block.block_hashes)
     assert block.block_hashes == req0.block_hashes and block.parent_block_hash is None
     assert block.token_ids == list(range(num_tokens)) and block.block_size == block_size
-    assert block.block_ids == manager.get_block_ids("0")  # kvlab's addition, kvlab's ids
+    assert block.block_ids == manager.get_block_ids("0")  # kvlab's addition
     assert manager.take_events() == []
     stored_block_hash = block.block_hashes
 
@@ -546,36 +550,58 @@ def test_src_kv_events_disabled_record_nothing():
 
 
 def test_null_parent_block_hash():
-    """test_prefix_caching.py::test_null_parent_block_hash, re-expressed: vLLM checks that a
-    BlockStored event's parent_block_hash comes from the request's (logical) hash chain even
-    when the physical parent is the null block. kvlab has no null block, so the same property is
-    checked where it can arise in kvlab: keying resumes at block 2 of a request whose blocks 0-1
-    were keyed earlier, and the event's parent is the request's key of block 1."""
+    """test_prefix_caching.py::test_null_parent_block_hash: a BlockStored event's
+    parent_block_hash comes from the request's (logical) hash chain even when the physical
+    parent block is the null block, and the null block stays unkeyed. (vLLM calls
+    BlockPool(8).cache_full_blocks(num_cached_blocks=2, num_full_blocks=4) on a hand-built
+    table; kvlab keys through KVCacheManager.cache_blocks, which resumes after the blocks it has
+    already keyed for the request (num_registered_blocks), so the same table is set there.)"""
     ev = kv_events()
     block_size = 1
+    num_cached_blocks = 2
+    num_full_blocks = 4
     manager = make_manager(8, block_size, enable_kv_cache_events=True)
+    pool = manager.block_pool
     req = make_request("req_null_parent", [10, 11, 12, 13])
-    allocate_slots(manager, req, 2)  # keys blocks 0, 1
-    manager.take_events()
-    req.num_computed_tokens = 2
-    allocate_slots(manager, req, 2)  # keys blocks 2, 3
+    manager.get_computed_blocks(req)  # kvlab fills request.block_hashes lazily
+    assert len(req.block_hashes) == num_full_blocks
+
+    # Physical parent is the null block (no key), while the logical parent hash still exists
+    # in req.block_hashes[num_cached_blocks - 1].
+    assert pool.null_block.block_hash is None
+    new_blocks = pool.get_new_blocks(num_full_blocks - 1)
+    assert block_ids(new_blocks) == [1, 2, 3]
+    # (vLLM's table holds the slice new_blocks[:1] itself as its first entry, a block it never
+    # reads; here the block.)
+    blocks = [*new_blocks[: num_cached_blocks - 1], pool.null_block,
+              *new_blocks[num_cached_blocks - 1 :]]
+    manager.req_to_blocks[req.request_id] = blocks
+    manager.num_registered_blocks[req.request_id] = num_cached_blocks
+    manager.cache_blocks(req, num_full_blocks * block_size)
+
     events = manager.take_events()
-    assert len(events) == 1 and isinstance(events[0], ev.BlockStored)
-    assert len(req.block_hashes) == 4
-    assert events[0].parent_block_hash == req.block_hashes[1]
-    assert events[0].parent_block_hash is not None
-    assert events[0].block_hashes == req.block_hashes[2:4]
-    assert events[0].token_ids == [12, 13]
-    assert events[0].block_ids == manager.get_block_ids(req.request_id)[2:4]
+    assert len(events) == 1
+    event = events[0]
+    assert isinstance(event, ev.BlockStored)
+    assert event.parent_block_hash == req.block_hashes[num_cached_blocks - 1]
+    assert event.parent_block_hash is not None
+    assert event.block_hashes == req.block_hashes[num_cached_blocks:num_full_blocks]
+    assert event.token_ids == [12, 13]
+    assert event.block_ids == [2, 3]  # kvlab's addition
+
+    # The null block got no key; the newly cached physical blocks did.
+    assert pool.null_block.block_hash is None
+    assert blocks[num_cached_blocks].block_hash is not None
+    assert blocks[num_full_blocks - 1].block_hash is not None
 
 
 def test_block_removed_event_group_idx():
     """test_prefix_caching.py::test_block_removed_event_group_idx, for group 0 (kvlab has one
-    group and no group_idx): re-allocating every block evicts the two keyed ones, one
-    BlockRemoved each."""
+    group and no group_idx): the null block and 4 usable blocks; re-allocating all 4 evicts the
+    two keyed ones, one BlockRemoved each."""
     ev = kv_events()
     block_size = 4
-    pool = BlockPool(4, enable_kv_cache_events=True)  # vLLM: 5 with the null block
+    pool = BlockPool(5, enable_kv_cache_events=True)
     keys = chain(list(range(block_size * 2)), block_size)
     all_blocks = pool.get_new_blocks(4)
     for blk, key in zip(all_blocks[:2], keys):
@@ -586,15 +612,17 @@ def test_block_removed_event_group_idx():
     removed = [e for e in pool.take_events() if isinstance(e, ev.BlockRemoved)]
     assert len(removed) == 2
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(keys)
-    assert sorted(i for e in removed for i in e.block_ids) == [0, 1]
+    assert sorted(i for e in removed for i in e.block_ids) == [1, 2]
 
 
 def test_block_lookup_cache_single_block_per_key():
     """test_prefix_caching.py::test_block_lookup_cache_single_block_per_key. (vLLM tests its
     BlockHashToBlockMap; kvlab's is the pool's cached_block_hash_to_block, used through
     cache_block / get_cached_block / uncache_block. vLLM's `pop(key, block_id)` with a block id
-    not under that key is uncache_block of such a block: a no-op.)"""
-    pool = BlockPool(2)
+    not under that key is uncache_block of such a block: a no-op.) vLLM's map holds
+    KVCacheBlock(0) and KVCacheBlock(1), outside any pool: here the two blocks of a plain pool
+    (null_block=False), block 0 being an ordinary block as in vLLM's test."""
+    pool = BlockPool(2, null_block=False)
     key0, key1, key2 = b"hash0", b"hash1", b"hash2"
     block0, block1 = pool.blocks
 
@@ -620,8 +648,10 @@ def test_block_lookup_cache_single_block_per_key():
 
 def test_block_lookup_cache_multi_blocks_per_key():
     """test_prefix_caching.py::test_block_lookup_cache_multi_blocks_per_key: several blocks
-    under one key; the lookup returns the first registered until it is removed."""
-    pool = BlockPool(12)
+    under one key; the lookup returns the first registered until it is removed. vLLM's map
+    holds KVCacheBlock(0), (1), (10) and (11), outside any pool: here blocks of a plain pool
+    (null_block=False), block 0 being an ordinary block as in vLLM's test."""
+    pool = BlockPool(12, null_block=False)
     key0, key1 = b"hash0", b"hash1"
     block00, block01, block10, block11 = (pool.blocks[i] for i in (0, 1, 10, 11))
     assert pool.get_cached_block(key0) is None and pool.get_cached_block(key1) is None
@@ -682,9 +712,10 @@ def test_kv_cache_block():
 
 
 def test_free_kv_cache_block_queue_initialization():
-    """test_kv_cache_utils.py::test_free_kv_cache_block_queue_initialization: a pool of one
-    block has it as both head and tail of its free queue."""
-    pool = BlockPool(1)
+    """test_kv_cache_utils.py::test_free_kv_cache_block_queue_initialization: a queue of one
+    block has it as both head and tail. vLLM's FreeKVCacheBlockQueue([KVCacheBlock(0)]) has no
+    null block: here a plain pool of one block (null_block=False)."""
+    pool = BlockPool(1, null_block=False)
     assert pool.get_num_free_blocks() == 1
     assert list(pool.free_queue.values()) == [pool.blocks[0]]
     assert next(iter(pool.free_queue.values())) is pool.blocks[0]
@@ -694,7 +725,7 @@ def test_free_kv_cache_block_queue_initialization():
 def _taken_keyed(pool):
     """Take every block of a fresh pool and key each, so that freeing one appends it to the tail
     (vLLM's FreeKVCacheBlockQueue.append; kvlab's free_blocks appends keyed blocks)."""
-    blocks = pool.get_new_blocks(pool.num_blocks)
+    blocks = pool.get_new_blocks(pool.get_num_free_blocks())
     for blk in blocks:
         pool.cache_block(blk, f"key{blk.block_id}".encode())
     return blocks
@@ -703,8 +734,9 @@ def _taken_keyed(pool):
 def test_free_kv_cache_block_queue_operations():
     """test_kv_cache_utils.py::test_free_kv_cache_block_queue_operations, through the pool:
     popleft = get_new_blocks(1); remove from the middle = touch (a prefix hit taken back);
-    append = free_blocks of a keyed block."""
-    pool = BlockPool(5)
+    append = free_blocks of a keyed block. vLLM's queue holds KVCacheBlock(0..4) alone, no null
+    block: here a plain pool of 5 (null_block=False)."""
+    pool = BlockPool(5, null_block=False)
     blocks = pool.blocks
     assert pool.get_num_free_blocks() == 5
     assert list(pool.free_queue) == [0, 1, 2, 3, 4]
@@ -733,8 +765,9 @@ def test_free_kv_cache_block_queue_operations():
 def test_free_kv_cache_block_queue_append_n():
     """test_kv_cache_utils.py::test_free_kv_cache_block_queue_append_n: keyed blocks freed
     together join the tail in the order given. (vLLM's last step corrupts the linked list to
-    check an assertion; kvlab's queue is an OrderedDict with no such state.)"""
-    pool = BlockPool(6)
+    check an assertion; kvlab's queue is an OrderedDict with no such state.) vLLM's queue takes
+    KVCacheBlock(0..5), no null block: here a plain pool of 6 (null_block=False)."""
+    pool = BlockPool(6, null_block=False)
     blocks = _taken_keyed(pool)
     assert pool.get_num_free_blocks() == 0
     pool.free_blocks([])
@@ -751,8 +784,9 @@ def test_free_kv_cache_block_queue_append_n():
 def test_free_kv_cache_block_queue_prepend_n():
     """test_kv_cache_utils.py::test_free_kv_cache_block_queue_prepend_n: blocks without a key
     freed together go in front of the head, in the order given (0.33.0 BlockPool.free_blocks
-    -> FreeKVCacheBlockQueue.prepend_n)."""
-    pool = BlockPool(6)
+    -> FreeKVCacheBlockQueue.prepend_n). vLLM's queue takes KVCacheBlock(0..5), no null block:
+    here a plain pool of 6 (null_block=False)."""
+    pool = BlockPool(6, null_block=False)
     blocks = pool.get_new_blocks(6)
     pool.cache_block(blocks[0], b"k0")
     pool.free_blocks(blocks[0:1])  # fake_head -> b0 -> fake_tail
@@ -768,8 +802,9 @@ def test_free_kv_cache_block_queue_prepend_n():
 
 def test_free_kv_cache_block_queue_popleft_n():
     """test_kv_cache_utils.py::test_free_kv_cache_block_queue_popleft_n: a queue in the order
-    1, 3, 5, 4, 0, 2 pops from the head, n at a time."""
-    pool = BlockPool(6)
+    1, 3, 5, 4, 0, 2 pops from the head, n at a time. vLLM's queue holds KVCacheBlock(0..5), no
+    null block: here a plain pool of 6 (null_block=False)."""
+    pool = BlockPool(6, null_block=False)
     blocks = _taken_keyed(pool)
     pool.free_blocks([blocks[1], blocks[3], blocks[5], blocks[4], blocks[0], blocks[2]])
     assert list(pool.free_queue) == [1, 3, 5, 4, 0, 2]
@@ -784,8 +819,9 @@ def test_free_kv_cache_block_queue_popleft_n():
 
 
 def test_free_kv_cache_block_queue_get_all_free_blocks():
-    """test_kv_cache_utils.py::test_free_kv_cache_block_queue_get_all_free_blocks."""
-    pool = BlockPool(5)
+    """test_kv_cache_utils.py::test_free_kv_cache_block_queue_get_all_free_blocks. vLLM's queue
+    holds KVCacheBlock(0..4) alone, no null block: here a plain pool of 5 (null_block=False)."""
+    pool = BlockPool(5, null_block=False)
     blocks = pool.blocks
     assert list(pool.free_queue.values()) == blocks
     pool.get_new_blocks(1)
@@ -842,7 +878,7 @@ def test_hash_block_tokens(hash_algo):
 def test_hash_request_tokens_no_mm_inputs(hash_algo):
     """test_kv_cache_utils.py::test_hash_request_tokens_no_mm_inputs (block size 3, 6 tokens).
     vLLM's first parent is NONE_HASH; kvlab's is None."""
-    manager = make_manager(11, 3, hash_algo=hash_algo)
+    manager = make_manager(11, 3, hash_algo=hash_algo)  # vLLM's test has no pool: any will do
     request = make_request("0", list(range(6)))
     manager.get_computed_blocks(request)  # kvlab fills request.block_hashes lazily
     block_hashes = request.block_hashes
@@ -1100,8 +1136,9 @@ def test_scheduler_reset_prefix_cache():
     assert len(scheduler.running) == 0
     assert list(scheduler.waiting) == requests
     assert all(r.status == RequestStatus.PREEMPTED for r in requests)
+    # Every block is free again: create_scheduler's 10000 blocks, less the null block.
     pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks
+    assert pool.num_blocks == 10000 and pool.get_num_free_blocks() == 9999
     assert not pool.cached_block_hash_to_block
 
 
@@ -1124,8 +1161,9 @@ def test_memory_leak():
     assert len(scheduler.waiting) == 0 and len(scheduler.running) == 0
     m = scheduler.kv_cache_manager
     assert len(m.req_to_blocks) == 0 and len(m.num_registered_blocks) == 0
-    assert m.block_pool.get_num_free_blocks() == m.block_pool.num_blocks
-    # Ref counts are 0; keys stay (freed blocks stay findable until reused).
+    assert m.block_pool.get_num_free_blocks() == m.block_pool.num_blocks - 1  # vLLM's words
+    # Ref counts are 0 (the null block's is never kept); keys stay (freed blocks stay findable
+    # until reused).
     assert all(blk.ref_cnt == 0 for blk in m.block_pool.blocks)
     m.block_pool.check_invariants()
 
@@ -1227,11 +1265,11 @@ def test_priority_scheduling_no_preemption_when_space_available():
 
 def test_priority_scheduling_preemption_and_resumption_when_out_of_kv():
     """test_scheduler.py::test_priority_scheduling_preemption_and_resumption_when_out_of_kv,
-    without its KV and EC connectors (which, it says, must not change the outcome). 5 vLLM
-    blocks of 16 (4 usable). In the 3rd step the low-priority request is scheduled first and
-    fits, then the high-priority one needs a 3rd block: the low one is preempted although it
-    was scheduled this step (sched/scheduler.py gives its tokens back to the budget); it resumes
-    with all 32 of its tokens once the high one finishes."""
+    without its KV and EC connectors (which, it says, must not change the outcome). 5 blocks
+    of 16 (the null block + 4 usable). In the 3rd step the low-priority request is scheduled
+    first and fits, then the high-priority one needs a 3rd block: the low one is preempted
+    although it was scheduled this step (sched/scheduler.py gives its tokens back to the
+    budget); it resumes with all 32 of its tokens once the high one finishes."""
     scheduler = create_scheduler_with_priority(max_num_seqs=2, max_num_batched_tokens=200,
                                                num_blocks=5, block_size=16, max_model_len=64,
                                                enable_prefix_caching=False)
@@ -1270,7 +1308,8 @@ def test_priority_scheduling_preemption_and_resumption_when_out_of_kv():
 # =================================================================================================
 def test_single_group_config_maps_manager_to_legacy_pool_alias():
     """test_kv_cache_coordinator.py::test_single_group_config_maps_manager_to_legacy_pool_alias:
-    10 vLLM blocks leave 9 free; 32 tokens of 16-token blocks need 2 of them."""
+    10 blocks, the null block among them, leave 9 free; 32 tokens of 16-token blocks need 2 of
+    them."""
     manager = make_manager(10, 16, max_model_len=128)
     assert manager.block_pool.get_num_free_blocks() == 9
     blocks = allocate_slots(manager, make_request("request", [0] * 32), 32)
@@ -1286,21 +1325,49 @@ def test_has_enough_free_blocks_by_pool_uses_pool_tuple():
     assert manager.block_pool.get_num_free_blocks() == 2
     assert allocate_slots(manager, make_request("three", [0] * 12), 12) is None
     blocks = allocate_slots(manager, make_request("two", [0] * 8), 8)
-    assert blocks is not None and vids(blocks) == [1, 2]
+    assert blocks is not None and block_ids(blocks) == [1, 2]
 
 
 def test_allocate_slots_uses_pool_aware_accounting_path():
     """test_kv_cache_coordinator.py::test_allocate_slots_uses_pool_aware_accounting_path, its
     observable part (the mocked accounting path is vLLM-internal): 4 tokens of a 4-token block
-    in a 3-block vLLM pool get block 1."""
+    in a 3-block pool get block 1."""
     manager = make_manager(3, 4, max_model_len=16, enable_caching=False)
     blocks = allocate_slots(manager, make_request("request", [0] * 4), 4)
-    assert blocks is not None and vids(blocks) == [1]
+    assert blocks is not None and block_ids(blocks) == [1]
 
 
 # =================================================================================================
 # vLLM 0.33.0 source behaviour with no single-group vLLM test (not vLLM tests: `test_src_`)
 # =================================================================================================
+def test_src_null_block_is_block_0_and_never_counted():
+    """vllm/v1/core/block_pool.py BlockPool.__init__ takes block 0 off the free queue for good as
+    the null block (`self.null_block = self.free_block_queue.popleft()`, is_null = True), so
+    get_num_free_blocks leaves it out; get_usage divides by `num_gpu_blocks - 1`; get_new_blocks
+    raises ValueError past the free blocks; reset_prefix_cache succeeds only when the null block
+    is the one used block (`num_used_blocks != 1`). A pool of 4: 3 free blocks, ids 1-3; usage
+    0.0, then 1 - 1/3 with two taken, then 1.0."""
+    pool = BlockPool(4)
+    assert pool.null_block is pool.blocks[0]
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    assert pool.get_num_free_blocks() == 3 and list(pool.free_queue) == [1, 2, 3]
+    assert pool.get_usage() == 0.0
+    assert pool.reset_prefix_cache()
+    taken = pool.get_new_blocks(2)
+    assert block_ids(taken) == [1, 2]
+    assert pool.get_usage() == pytest.approx(1 - 1 / 3)
+    last = pool.get_new_blocks(1)
+    assert block_ids(last) == [3] and pool.get_num_free_blocks() == 0
+    assert pool.get_usage() == 1.0
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    assert not pool.reset_prefix_cache()
+    pool.free_blocks(taken + last)
+    assert pool.get_num_free_blocks() == 3 and list(pool.free_queue) == [1, 2, 3]
+    assert pool.reset_prefix_cache()
+    pool.check_invariants()
+
+
 def test_src_allocate_slots_full_sequence_must_fit_counts_free_queue_hits():
     """vllm/v1/core/kv_cache_manager.py KVCacheManager.allocate_slots(full_sequence_must_fit=True)
     with single_type_kv_cache_manager.py get_num_blocks_to_allocate: the WHOLE sequence
@@ -1356,10 +1423,9 @@ def test_src_allocate_slots_full_sequence_must_fit_whole_prompt_not_first_chunk(
 def test_src_allocate_slots_watermark_only_for_waiting_or_preempted():
     """kv_cache_manager.py allocate_slots: watermark_blocks = int(watermark * num_blocks) stay
     free for a request whose status is WAITING or PREEMPTED, and only when has_scheduled_reqs;
-    a RUNNING request may use them. (0.33.0 multiplies by a pool count that includes the null
-    block; the brief defines kvlab's with its own pool size: here 0.2 * 10 = 2 in both.)"""
+    a RUNNING request may use them. num_blocks counts the null block: int(0.2 * 11) = 2."""
     block_size = 16
-    manager = make_manager(11, block_size, max_model_len=160, watermark=0.2)  # 10 blocks, keep 2
+    manager = make_manager(11, block_size, max_model_len=160, watermark=0.2)  # 10 usable, keep 2
     waiting = make_request("w", list(range(9 * block_size)))
     assert waiting.status == RequestStatus.WAITING
     # 9 + 2 > 10: refused while others run, ...
@@ -1385,7 +1451,7 @@ def test_src_fcfs_preempts_newest_running_request():
     _preempt_request (status PREEMPTED, waiting.prepend_request, num_computed_tokens = 0); no
     admission in a step that preempted; the victim resumes as RUNNING and recomputes all its
     tokens. The block arithmetic is test_scheduler.py::test_priority_scheduling_preemption's
-    (block size 16, 6 vLLM blocks = 5 usable), run under FCFS."""
+    (block size 16, 6 blocks = the null block + 5 usable), run under FCFS."""
     block_size = 16
     scheduler = create_scheduler(max_num_seqs=3, max_num_batched_tokens=200, num_blocks=6,
                                  block_size=block_size, enable_prefix_caching=False,
@@ -1459,8 +1525,8 @@ def test_src_scheduler_reserve_full_isl_gates_admission():
 
 def test_src_scheduler_watermark_spares_an_idle_engine():
     """sched/scheduler.py schedule(): allocate_slots(..., has_scheduled_reqs=bool(self.running))
-    and kv_cache_manager.py allocate_slots (watermark for WAITING/PREEMPTED only). With 11 vLLM
-    blocks (10 usable) and watermark 0.2 (2 blocks: int(2.2) in vLLM, int(2.0) in kvlab), a
+    and kv_cache_manager.py allocate_slots (watermark for WAITING/PREEMPTED only). With 11
+    blocks (10 usable) and watermark 0.2 (int(0.2 * 11) = 2 blocks, the null block counted), a
     9-block prompt enters the idle engine; a 1-block prompt behind it in the same step does not
     (1 + 2 > 1 free, `running` is no longer empty); the running request still takes the last
     block for its decode; the waiting one enters once the engine is idle again."""
@@ -1495,9 +1561,9 @@ def test_src_watermark_blocks_count_the_null_block():
     """kv_cache_manager.py KVCacheManager.__init__: `watermark_blocks = int(watermark *
     kv_cache_config.num_blocks)`, and kv_cache_config.num_blocks counts the null block (the
     BlockPool is built with num_gpu_blocks = kv_cache_config.num_blocks, block 0 being null).
-    A vLLM pool of 20 blocks (19 usable) with watermark 0.05 keeps int(1.0) = 1 block free, so a
-    waiting request needing all 19 is refused while others run. kvlab's pool of 19 gives
-    int(0.95) = 0. (A real, boundary-only disagreement: see the report.)"""
+    A pool of 20 blocks (19 usable) with watermark 0.05 keeps int(1.0) = 1 block free, so a
+    waiting request needing all 19 is refused while others run (counting only the 19 usable
+    blocks would give int(0.95) = 0, and admit it)."""
     block_size = 16
     manager = make_manager(20, block_size, max_model_len=19 * block_size, watermark=0.05)
     req = make_request("w", list(range(19 * block_size)))
@@ -1538,7 +1604,7 @@ def test_src_prefix_hit_leaves_the_last_prompt_token():
         # The shared full blocks are the same physical blocks.
         shared = expect_hit // 16
         assert step.new_req_block_ids[r2.request_id][:shared] == \
-            vids(scheduler.kv_cache_manager.req_to_blocks[r1.request_id][:shared])
+            block_ids(scheduler.kv_cache_manager.req_to_blocks[r1.request_id][:shared])
 
 
 # =================================================================================================
@@ -1729,9 +1795,9 @@ NOT_PORTED = (
      " the rest of this file tests sliding-window, chunked-local, Mamba and circular-buffer "
      "managers: " + _HY + ")"),
     ("TestBlockPoolLazyNullBlock (all six tests)", "tests/v1/core/test_block_pool.py",
-     "the null block, which kvlab does not have; and a lazily allocated null block is newer "
-     "than 0.33.0, whose BlockPool takes it eagerly (reset_prefix_cache expects exactly 1 used "
-     "block)"),
+     "a lazily allocated null block is newer than 0.33.0, whose BlockPool takes block 0 "
+     "eagerly in __init__ (reset_prefix_cache expects exactly 1 used block), as kvlab's does; "
+     "the eager null block is pinned by test_src_null_block_is_block_0_and_never_counted"),
     ("test_attention_free_config_keeps_legacy_shared_pool_alias",
      "tests/v1/core/test_kv_cache_coordinator.py", "attention-free models (no KV groups)"),
     ("test_multi_group_single_pool_config_maps_all_managers_to_legacy_pool_alias",

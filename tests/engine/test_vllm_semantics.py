@@ -52,11 +52,11 @@ def test_prompts_submitted_together_share_their_prefix_in_the_same_step(text_ids
 
 
 def test_identical_blocks_both_stay_findable_when_one_is_evicted():
-    pool = BlockPool(4)
+    pool = BlockPool(5)  # block 0, the null block, and 1-4
     a, b = pool.get_new_blocks(2)
     pool.cache_block(a, b"same prefix")
     pool.cache_block(b, b"same prefix")  # computed by two requests before either was keyed
-    pool.free_blocks([a])  # free queue: 2, 3, then a
+    pool.free_blocks([a])  # free queue: 3, 4, then a
     assert a in pool.get_new_blocks(3)  # a is reused: its copy of the prefix is gone
     assert a.block_hash is None
     assert pool.get_cached_block(b"same prefix") is b  # b is still held and still found
@@ -170,12 +170,14 @@ def test_beam_search_goes_through_the_scheduler(text_ids):
     bp = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
     roomy = LLM(block_size=4, max_model_len=64, kv_cache_tokens=1024)
     ref = roomy.beam_search(prompt, bp)[0].sequences
-    # A 3-token step budget: the prompt is chunked and the four beams take turns.
-    slow = LLM(block_size=4, max_model_len=64, kv_cache_tokens=1024, max_num_batched_tokens=3)
+    # A 4-token step budget: the prompt is chunked. (max_num_seqs, not given, is lowered to the
+    # budget as vLLM lowers it: 4 seats, one per beam.)
+    slow = LLM(block_size=4, max_model_len=64, kv_cache_tokens=1024, max_num_batched_tokens=4)
+    assert slow.llm_engine.config.max_num_seqs == 4
     got = slow.beam_search(prompt, bp)[0].sequences
     assert [s.tokens for s in got] == [s.tokens for s in ref]
     trace = slow.llm_engine.step_trace
-    assert max(r.num_prefill_tokens + r.num_decode_tokens for r in trace) <= 3
+    assert max(r.num_prefill_tokens + r.num_decode_tokens for r in trace) <= 4
     # Too few seats for the beams: refused up front.
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(block_size=4, max_model_len=64, kv_cache_tokens=1024, max_num_seqs=2).beam_search(

@@ -79,7 +79,8 @@ def test_reset_prefix_cache_makes_the_next_request_cold(text_ids):
 def test_the_model_runner_reads_block_tables_from_the_scheduler_output(text_ids):
     """vLLM's runner gets block ids in the SchedulerOutput (vllm/v1/core/sched/output.py); so
     does kvlab's: it holds no KV cache manager, and a step runs from its output alone."""
-    llm = LLM(block_size=8, kv_cache_tokens=256, max_model_len=128)
+    # No prefix cache: the second run of the prompt computes all of it again.
+    llm = LLM(block_size=8, kv_cache_tokens=256, max_model_len=128, enable_prefix_caching=False)
     engine = llm.llm_engine
     assert not hasattr(engine.model_runner, "kv_cache_manager")
     want = llm.generate({"prompt_token_ids": text_ids[:20]}, SP)[0].outputs[0].token_ids

@@ -3,26 +3,26 @@
 `tests/engine/test_vllm_conformance.py` re-expresses vLLM's own unit tests (tests/v1/core/...) against
 kvlab. kvlab differs from vLLM on purpose in a few places; every such difference is bridged HERE,
 in one small place, and nowhere else. No expectation is loosened: the tests keep vLLM's block
-sizes, pool sizes, token ids, call order and expected outcomes, written in vLLM's numbering.
+sizes, pool sizes, token ids, call order and expected outcomes.
+
+Block ids and counts are vLLM's, read as they are, with no translation: kvlab's BlockPool
+reserves block 0 as vLLM's null block (vllm/v1/core/block_pool.py), so a pool of N blocks is
+built as `BlockPool(N)` (or `make_manager(N, ...)`, `create_scheduler(num_blocks=N)`), hands out
+ids 1..N-1 and reports N - 1 free blocks when empty, as vLLM's does. `block_ids()` only lists
+the ids of some blocks.
 
 The differences, and how they are bridged:
 
-1. The null block. vLLM reserves block 0 of its pool as the null block (never handed out, never
-   freed), so a vLLM pool of N blocks hands out ids 1..N-1. kvlab has no null block. A vLLM pool
-   of N blocks is therefore a kvlab pool of N - 1 blocks, and vLLM's block id k is kvlab's k - 1.
-   `vids()` turns kvlab blocks/ids into vLLM ids so the tests can state vLLM's literal ids.
-   Free-block COUNTS need no translation: vLLM's `get_num_free_blocks()` already leaves the null
-   block out, so both report the same number.
-2. `allocate_slots`. vLLM's takes (request, num_new_tokens, num_new_computed_tokens,
+1. `allocate_slots`. vLLM's takes (request, num_new_tokens, num_new_computed_tokens,
    new_computed_blocks) and returns the newly allocated blocks or None. kvlab's takes totals
    (num_tokens the table must cover, num_computed_tokens incl. adopted prefix hits) and returns
    True/False. `allocate_slots()` below calls kvlab's and returns the blocks it added (the new
    tail of the block table, hits excluded) or None.
-3. `get_computed_blocks` returns (list of blocks, num_tokens) in kvlab; vLLM returns
+2. `get_computed_blocks` returns (list of blocks, num_tokens) in kvlab; vLLM returns
    (KVCacheBlocks, num_tokens, shared_prefix_boundary). The tests read kvlab's directly.
-4. Requests: kvlab requests take ids, an `eos_token_ids` set and `RequestMetrics`; block hashes
+3. Requests: kvlab requests take ids, an `eos_token_ids` set and `RequestMetrics`; block hashes
    are filled lazily by the manager (vLLM: a block hasher at construction). `make_request()`.
-5. The scheduler's output. kvlab's SchedulerOutput lists `scheduled` (request, num_new_tokens)
+4. The scheduler's output. kvlab's SchedulerOutput lists `scheduled` (request, num_new_tokens)
    pairs, `num_scheduled_tokens` (vLLM's name) and `block_ids` = the WHOLE block table of each
    scheduled request (copy-on-write can replace a block mid-table, so kvlab always sends whole
    tables). vLLM sends new requests' full tables and, for running ones, only the ids appended
@@ -30,15 +30,23 @@ The differences, and how they are bridged:
    new block ids) from consecutive outputs, and checks it against kvlab's own
    `scheduled_new_reqs` (NewRequestData: first admissions and re-admissions after a preemption;
    vLLM's V1 runner lists the latter among the cached requests) and `resumed_req_ids`.
-6. Running a step without a model: `runner_output()` builds a ModelRunnerOutput with a sampled
+5. Running a step without a model: `runner_output()` builds a ModelRunnerOutput with a sampled
    token for every scheduled request whose sequence reaches its end this step (vLLM: every
-   request that is not mid-prefill gets a sampled token).
-7. Configuration: vLLM's scheduler fixture with `num_blocks=N` is kvlab's
-   `kv_cache_tokens=(N - 1) * block_size` (`create_scheduler()`).
+   request that is not mid-prefill gets a sampled token). Where a step starts is read from its
+   SchedulerOutput (`num_computed_tokens`): schedule() advances the request's own count before
+   it returns, as vLLM's does.
+6. Configuration: vLLM's scheduler fixture with `num_blocks=N` (null block included) is
+   kvlab's `kv_cache_tokens=(N - 1) * block_size` (`create_scheduler()`): kvlab's
+   kv_cache_tokens are the tokens requests can hold, and its pool adds block 0 to them.
+7. Async scheduling: vLLM's fixture builds an `AsyncScheduler` when given
+   `async_scheduling=True` and a plain `Scheduler` otherwise (its default); kvlab has one
+   Scheduler whose `EngineConfig.async_scheduling` (default True) adds the output placeholders,
+   so `create_scheduler()` passes False unless a test asks (`test_vllm_async_conformance.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvlab.block_pool import KVCacheBlock
@@ -49,41 +57,22 @@ from kvlab.request import Request
 from kvlab.scheduler import Scheduler
 from tests import helpers
 
-NUM_NULL_BLOCKS = 1  # vLLM's block 0
 EOS_TOKEN_ID = 50256  # tests/v1/core/utils.py
 
 
-# ---- 1. the null block -------------------------------------------------------------------------
-def kvlab_num_blocks(vllm_num_blocks: int) -> int:
-    """A vLLM pool of N blocks (null block included) is a kvlab pool of N - 1."""
-    return vllm_num_blocks - NUM_NULL_BLOCKS
+# ---- block ids (vLLM's, as they are) -----------------------------------------------------------
+def block_ids(blocks) -> list[int]:
+    """The ids of `blocks`, in order (vLLM's tests: `[b.block_id for b in ...]`)."""
+    return [b.block_id for b in blocks]
 
 
-def vllm_id(kvlab_block_id: int) -> int:
-    return kvlab_block_id + NUM_NULL_BLOCKS
-
-
-def vids(blocks) -> list[int]:
-    """vLLM block ids of kvlab blocks (or kvlab block ids)."""
-    return [vllm_id(b if isinstance(b, int) else b.block_id) for b in blocks]
-
-
-def vblock(pool, vllm_block_id: int) -> KVCacheBlock:
-    """The kvlab block that vLLM's test calls `block_pool.blocks[vllm_block_id]`."""
-    return pool.blocks[vllm_block_id - NUM_NULL_BLOCKS]
-
-
-def free_queue_vids(pool) -> list[int]:
-    """The free queue head first, in vLLM ids (vLLM: free_block_queue.get_all_free_blocks())."""
-    return vids(list(pool.free_queue))
-
-
-# ---- 2-4. manager and requests -----------------------------------------------------------------
-def make_manager(vllm_num_blocks: int, block_size: int, *, max_model_len: int = 8192,
+# ---- 1-3. manager and requests -----------------------------------------------------------------
+def make_manager(num_blocks: int, block_size: int, *, max_model_len: int = 8192,
                  enable_caching: bool = True, **kwargs) -> KVCacheManager:
     """vLLM's `make_kv_cache_manager(make_kv_cache_config(block_size, N), max_model_len=...,
-    enable_caching=...)` for one full-attention group."""
-    return KVCacheManager(kvlab_num_blocks(vllm_num_blocks), block_size, max_model_len,
+    enable_caching=...)` for one full-attention group: a manager over a pool of N blocks,
+    block 0 the null block."""
+    return KVCacheManager(num_blocks, block_size, max_model_len,
                           enable_prefix_caching=enable_caching, **kwargs)
 
 
@@ -125,41 +114,57 @@ def allocate_slots(manager: KVCacheManager, request: Request, num_new_tokens: in
     return list(manager.req_to_blocks[request.request_id][before + len(hits):])
 
 
-# ---- 5-7. scheduler ----------------------------------------------------------------------------
+# ---- 4-6. scheduler ----------------------------------------------------------------------------
 def create_scheduler(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                      enable_prefix_caching: bool = True, num_blocks: int = 10000,
                      block_size: int = 16, max_model_len: int | None = None,
-                     enable_chunked_prefill: bool = True, **new_knobs) -> Scheduler:
+                     enable_chunked_prefill: bool = True, async_scheduling: bool = False,
+                     **new_knobs) -> Scheduler:
     """vLLM's tests/v1/core/utils.py `create_scheduler` without a model.
 
     vLLM 0.33.0's CacheConfig.enable_prefix_caching defaults to True (vllm/config/cache.py),
-    hence the default here. `new_knobs` (scheduler_reserve_full_isl, watermark,
+    hence the default here. `async_scheduling` defaults to False as in vLLM's fixture, which
+    builds a plain `Scheduler` unless asked for an `AsyncScheduler` (kvlab has one Scheduler
+    class; EngineConfig.async_scheduling, whose own default is True, switches on the output
+    placeholders). `new_knobs` (scheduler_reserve_full_isl, watermark,
     long_prefill_token_threshold, policy, ...) are only passed when a test sets them.
     """
     if max_model_len is None:
         max_model_len = max_num_batched_tokens
-    kv_tokens = kvlab_num_blocks(num_blocks) * block_size
+    kv_tokens = (num_blocks - 1) * block_size  # a pool of num_blocks: these + the null block
     config = EngineConfig(block_size=block_size, kv_cache_tokens=kv_tokens,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching,
-                          enable_chunked_prefill=enable_chunked_prefill, **new_knobs)
+                          enable_chunked_prefill=enable_chunked_prefill,
+                          async_scheduling=async_scheduling, **new_knobs)
     config = config.resolve(model_max_len=max_model_len, default_kv_tokens=kv_tokens)
     return Scheduler(config, make_kv_cache_manager(config))
 
 
 def create_requests(num_requests: int, num_tokens: int = 10, *, max_tokens: int = 16,
                     stop_token_ids=None, same_prompt: bool = False, req_ids=None,
-                    ignore_eos: bool = False, starting_idx: int = 0) -> list[Request]:
-    """tests/v1/core/utils.py `create_requests`: prompt [i] * num_tokens, EOS 50256."""
+                    ignore_eos: bool = False, starting_idx: int = 0,
+                    prompt_logprobs: int | None = None) -> list[Request]:
+    """tests/v1/core/utils.py `create_requests`: prompt [i] * num_tokens, EOS 50256.
+    `prompt_logprobs` as vLLM's: such a request skips reading the prefix cache
+    (SamplingParams.skip_reading_prefix_cache), and starts its prompt logprobs as the engine
+    does ([None]: the first prompt token has no prediction)."""
     if req_ids is None:
         req_ids = [f"{i + starting_idx}" for i in range(num_requests)]
-    return [
+    requests = [
         make_request(req_ids[i], [starting_idx if same_prompt else i + starting_idx] * num_tokens,
                      max_tokens=max_tokens, eos_token_id=EOS_TOKEN_ID, ignore_eos=ignore_eos,
                      stop_token_ids=stop_token_ids)
         for i in range(num_requests)
     ]
+    if prompt_logprobs is not None:
+        for r in requests:
+            r.sampling_params = dataclasses.replace(r.sampling_params,
+                                                    prompt_logprobs=prompt_logprobs,
+                                                    skip_reading_prefix_cache=None)
+            r.prompt_logprobs = [None]
+    return requests
 
 
 def create_scheduler_with_priority(**kwargs) -> Scheduler:
@@ -186,11 +191,15 @@ def create_requests_with_priority(num_requests: int, priorities, arrival_times=N
 
 def runner_output(out, token=1000) -> ModelRunnerOutput:
     """A model runner's output for one kvlab step: `token` (an int, or a dict req_id -> int) for
-    every scheduled request whose sequence reaches its end this step. Call before
-    update_from_output (it reads num_computed_tokens before they advance)."""
+    every scheduled request whose sequence reaches its end this step. Where the step starts is
+    `out.num_computed_tokens[request_id]` (the count when the step was scheduled): schedule()
+    has already advanced the request's own count, as vLLM's _update_after_schedule does. A
+    step that completes the sequence reaches its end even when, under async scheduling, its
+    last input is an output placeholder (start + new > num_tokens); so does the model runner's
+    test (kvlab/model_runner.py). May be called any time before update_from_output."""
     mro = ModelRunnerOutput()
     for request, num_new in out.scheduled:
-        if request.num_computed_tokens + num_new >= request.num_tokens:
+        if out.num_computed_tokens[request.request_id] + num_new >= request.num_tokens:
             tok = token.get(request.request_id) if isinstance(token, dict) else token
             if tok is not None:
                 mro.sampled_token_ids[request.request_id] = tok
@@ -213,12 +222,12 @@ class Step:
 
 
 class SchedulerAdapter:
-    """Drives a kvlab Scheduler and reports each step as vLLM would (see module doc, item 5)."""
+    """Drives a kvlab Scheduler and reports each step as vLLM would (see module doc, item 4)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.seen: set[str] = set()  # ever scheduled
-        self.sent_tables: dict[str, list[int]] = {}  # kvlab ids last sent, per live request
+        self.sent_tables: dict[str, list[int]] = {}  # block ids last sent, per live request
 
     def schedule(self) -> Step:
         out = self.scheduler.schedule()
@@ -235,16 +244,16 @@ class SchedulerAdapter:
             table = list(out.block_ids[rid])
             if rid not in self.seen:
                 step.scheduled_new_reqs.append(rid)
-                step.new_req_block_ids[rid] = vids(table)
+                step.new_req_block_ids[rid] = list(table)
             else:
                 step.scheduled_cached_reqs.append(rid)
                 prev = self.sent_tables.get(rid)
                 if prev is None:  # resumed after a preemption: its whole new table
                     step.resumed_req_ids.add(rid)
-                    step.cached_new_block_ids[rid] = vids(table)
+                    step.cached_new_block_ids[rid] = list(table)
                 else:
                     assert table[: len(prev)] == prev, "no copy-on-write in these tests"
-                    step.cached_new_block_ids[rid] = vids(table[len(prev):])
+                    step.cached_new_block_ids[rid] = table[len(prev):]
             self.seen.add(rid)
             self.sent_tables[rid] = table
         # kvlab's own NewRequestData list holds first admissions AND re-admissions after a

@@ -325,7 +325,8 @@ def test_parse_api_keys_formats():
 
 
 # The server options that key mode leaves at their defaults.
-SERVE_DEFAULTS = {"model_name": None, "kv_cache_metrics": True, "kv_cache_metrics_sample": 1.0}
+SERVE_DEFAULTS = {"model_name": None, "kv_cache_metrics": True, "kv_cache_metrics_sample": 1.0,
+                  "max_num_queued_reqs": None}
 
 
 def test_serve_flags_build_the_key_map(tmp_path):

@@ -84,7 +84,10 @@ class IdPool:
     """
 
     def __init__(self, pool: BlockPool | int) -> None:
-        self.block_pool = pool if isinstance(pool, BlockPool) else BlockPool(pool)
+        # A count: a plain pool of that many blocks, no null block (the exercise is the data
+        # structure); an engine's pool keeps its block 0 out of reach.
+        self.block_pool = (pool if isinstance(pool, BlockPool)
+                           else BlockPool(pool, null_block=False))
 
     @property
     def num_blocks(self) -> int:

@@ -192,6 +192,6 @@ def check_bookkeeping(engine) -> None:
     except AssertionError as e:
         raise Mismatch("the block pool's bookkeeping to hold after the run",
                        f"it does not: {e}") from None
-    if pool.get_num_free_blocks() != pool.num_blocks:
-        raise Mismatch(f"all {pool.num_blocks} blocks free once every request finished",
+    if pool.get_num_free_blocks() != pool.num_usable_blocks:
+        raise Mismatch(f"all {pool.num_usable_blocks} usable blocks free once every request finished",
                        f"{pool.get_num_free_blocks()} free: some blocks leaked")

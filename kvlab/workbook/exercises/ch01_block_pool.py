@@ -112,7 +112,7 @@ class _Oracle:
     """kvlab's own BlockPool, in ids."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.pool = IdPool(BlockPool(num_blocks))
+        self.pool = IdPool(BlockPool(num_blocks, null_block=False))
 
     def __getattr__(self, name):
         return getattr(self.pool, name)
@@ -235,6 +235,11 @@ class _ParticipantPool(BlockPool):
     def __init__(self, theirs, num_blocks: int) -> None:
         super().__init__(num_blocks)
         self.theirs = theirs
+        # vLLM's pool takes its null block, block 0, off the head of its free queue once made
+        # (vllm/v1/core/block_pool.py): do the same with the participant's pool.
+        first = _ids(theirs.get_new_blocks(1), "get_new_blocks(1) on a new pool")
+        if first != [0]:
+            raise Mismatch("a new pool's first block to be block 0", short(first))
 
     def _agree(self, call: str) -> None:
         got = self.theirs.get_num_free_blocks()
@@ -420,8 +425,9 @@ def _alloc_compare(impl, table_len, num_tokens, block_size, num_free) -> None:
     # kvlab's own manager on one pool, the participant's function on an identical one.
     results = []
     for side in ("kvlab", "yours"):
-        manager = KVCacheManager(table_len + num_free + 1, block_size)
-        # Another request holds block 0, so the table's blocks are not simply 0, 1, 2, ...
+        manager = KVCacheManager(table_len + num_free + 2, block_size)
+        # Block 0 is the null block and another request holds block 1, so the table's blocks
+        # are not simply 0, 1, 2, ...
         manager.allocate_slots("other", 1)
         if table_len:
             manager.allocate_slots("r", table_len * block_size)

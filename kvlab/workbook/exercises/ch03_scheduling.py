@@ -105,12 +105,18 @@ def kvlab_schedule(running, waiting, num_free_blocks, block_size, max_num_seqs,
                    max_num_batched_tokens, enable_chunked_prefill):
     """What kvlab's Scheduler.schedule() decides in this state: ({id: tokens}, [preempted])."""
     held = sum(v.num_blocks for v in running)
-    manager = KVCacheManager(max(1, held + num_free_blocks), block_size)
+    # Block 0 is the null block, never handed out: the pool is one block larger.
+    manager = KVCacheManager(max(1, held + num_free_blocks) + 1, block_size)
     if held + num_free_blocks == 0:
         manager.block_pool.get_new_blocks(1)  # the pool must have a block; hold it
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
-                          enable_chunked_prefill=enable_chunked_prefill)
+    # One step of the synchronous loop, as the exercise describes it (no output placeholders);
+    # a context longer than any request here.
+    config = EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                          enable_chunked_prefill=enable_chunked_prefill,
+                          max_model_len=1 << 20, async_scheduling=False)
+    # Seats set after the checks: a state may give more seats than the budget has tokens,
+    # which vLLM's config refuses but which changes nothing about the step's rule.
+    config.max_num_seqs = max_num_seqs
     scheduler = Scheduler(config, manager)
     for view in running:
         request = _request(view)
@@ -240,8 +246,10 @@ class _ParticipantScheduler(Scheduler):
 
 # 12 blocks of 4 tokens for five requests of about 20 tokens, three seats: admission waits for
 # seats and blocks, and running requests are preempted when they grow into the last blocks.
+# The synchronous loop and no prefix cache: the exercise's rule, one token read per step.
 _ENGINE = dict(block_size=4, max_model_len=48, kv_cache_tokens=48, max_num_seqs=3,
-               enable_chunked_prefill=False, max_num_batched_tokens=48)
+               enable_chunked_prefill=False, max_num_batched_tokens=48,
+               async_scheduling=False, enable_prefix_caching=False)
 
 
 def _batches():

@@ -134,6 +134,7 @@ class _ParticipantChunkScheduler(Scheduler):
 # A 12-token budget: the 30- and 45-token prompts are chunked, and the short one's decodes run
 # beside their chunks.
 _ENGINE = dict(block_size=4, max_model_len=96, kv_cache_tokens=1024,
+               async_scheduling=False, enable_prefix_caching=False,
                max_num_batched_tokens=12)
 
 

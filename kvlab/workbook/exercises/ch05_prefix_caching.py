@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from kvlab.workbook.exercises import _real_engine
 from kvlab.workbook.exercises._common import Case, Exercise, Mismatch, RequestView, short
 from kvlab.workbook.exercises.ch03_scheduling import _request
+from kvlab.block_pool import BlockPool
 from kvlab.kv_cache import KVCacheManager
 from kvlab.prefix_cache import extend_block_hashes, hash_block_tokens
 from kvlab.sampling import RequestOutputKind, SamplingParams
@@ -311,8 +312,10 @@ def _keys(n: int, seed: int = 0) -> list[bytes]:
 
 def _kvlab_hits(block_hashes, num_tokens, block_size, cached) -> list[int]:
     """kvlab's own lookup (KVCacheManager.get_computed_blocks) over the same cache."""
-    manager = KVCacheManager(max([0, *cached.values()]) + 1, block_size,
+    manager = KVCacheManager(max([0, *cached.values()]) + 2, block_size,
                              enable_prefix_caching=True)
+    # The exercise's block ids are any ids, 0 included: a plain pool (no null block) to look up.
+    manager.block_pool = BlockPool(manager.num_blocks, null_block=False)
     for key, block_id in cached.items():
         manager.block_pool.cache_block(manager.block_pool.blocks[block_id], key)
     request = _request(RequestView("r", num_tokens))

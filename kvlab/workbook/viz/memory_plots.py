@@ -6,6 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
+from kvlab.kv_cache import NULL_BLOCK_OWNER
 from kvlab.workbook.allocator_sim import SimResult, block_table_entries, internal_waste
 from kvlab.workbook.viz.axes import GIB, _colour, _log2_axes, log_axis
 
@@ -75,6 +76,10 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
     `memory_map` comes from the manager's `memory_map(num_tokens, final_tokens)`. A legend on
     the right names the requests; with `state_legend`, one below the grid names the states
     (pass False on all but the last of several stacked maps)."""
+    memory_map = list(memory_map)
+    null = [b for b, (o, *_) in enumerate(memory_map) if o == NULL_BLOCK_OWNER]
+    for b in null:  # drawn black, counted with no request
+        memory_map[b] = (None, 0, 0)
     owners = [o for o, *_ in memory_map if o is not None]
     order = list(dict.fromkeys(owners))
     rows = -(-len(memory_map) // columns)
@@ -83,6 +88,9 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
     side = 0.92
     for b, (owner, filled, reserved) in enumerate(memory_map):
         x, y = b % columns, rows - 1 - b // columns
+        if b in null:
+            ax.add_patch(Rectangle((x, y), side, side, fc="black", ec="black", lw=0.5))
+            continue
         if owner is None:
             unusable = b in unusable_free
             ax.add_patch(Rectangle((x, y), side, side, fc=EXTERNAL if unusable else "white",
@@ -103,7 +111,7 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
     ax.axis("off")
     used = sum(f for o, f, _ in memory_map if o is not None)
     held = sum(block_size for o, *_ in memory_map if o is not None)
-    total = len(memory_map) * block_size
+    total = (len(memory_map) - len(null)) * block_size
     ax.set_title(f"{title}: {len(order)} requests, {used:,} tokens in {held:,} held slots "
                  f"of {total:,}", fontsize=9)
     if state_legend:
@@ -114,6 +122,8 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
                         label="internal waste: never filled"),
                   Patch(fc=EXTERNAL, ec="0.6", label="external: free, too short a gap"),
                   Patch(fc="white", ec="0.75", label="free")]
+        if null:
+            states.append(Patch(fc="black", label="block 0: vLLM's null block"))
         legend = ax.legend(handles=states, fontsize=7, loc="upper center",
                            bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False, handlelength=1.5)
         ax.add_artist(legend)

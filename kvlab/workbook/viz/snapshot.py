@@ -10,7 +10,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.transforms import offset_copy
 
-from kvlab.workbook.explorer import CACHED, EngineSnapshot, FREE, HELD, SHARED
+from kvlab.workbook.explorer import CACHED, EngineSnapshot, FREE, HELD, NULL, SHARED
 from kvlab.workbook.viz.axes import _colour
 from kvlab.workbook.viz.memory_plots import format_block_tables
 
@@ -71,6 +71,9 @@ def _legend_entries(snap: EngineSnapshot) -> tuple[list, list[str]]:
     states = [Patch(fc="white", ec="0.75"),
               (Patch(fc=grey, ec="none"), Patch(fc=(*grey, 0.3), ec="none", hatch="////"))]
     labels = ["free", "held by a request (solid: K/V written)"]
+    if NULL in present:
+        states.append(Patch(fc="black"))
+        labels.append("block 0: vLLM's null block, never handed out")
     if CACHED in present:
         states.append(Patch(fc="0.88", ec="0.4", ls=":", hatch=".."))
         labels.append("cached, free (evictable)")
@@ -170,6 +173,9 @@ def _draw_block(ax, snap: EngineSnapshot, b, columns: int, rows: int) -> None:
     x, y = b.block_id % columns, rows - 1 - b.block_id // columns
     state, gid = b.state, f"block-{b.block_id}"
     edge, lw = (COPY_EDGE, 2.5) if b.just_copied else ("0.4", 0.6)
+    if state == NULL:
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc="black", ec="black", lw=0.6, gid=gid))
+        return
     if state == FREE:
         ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc="white", ec="0.75", lw=0.6, gid=gid))
     elif state == CACHED:
