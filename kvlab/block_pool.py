@@ -142,7 +142,7 @@ class BlockPool:
     def cache_block(self, blk: KVCacheBlock, block_hash: bytes) -> bool:
         """Register a full block under its key, beside any other copy of the same prefix.
         Returns False for a block that already has a key (a prefix hit being adopted)."""
-        if blk.block_hash is not None or blk.is_null:  # the null block holds no prefix
+        if blk.block_hash is not None:
             return False
         blk.block_hash = block_hash
         self.cached_block_hash_to_block.setdefault(block_hash, {})[blk.block_id] = blk
@@ -153,7 +153,9 @@ class BlockPool:
                           block_size: int) -> None:
         """Key a run of consecutive full blocks of one request (vLLM: cache_full_blocks), and
         record one `BlockStored` for those that were not keyed yet."""
-        stored = [(blk, h) for blk, h in zip(blocks, block_hashes) if self.cache_block(blk, h)]
+        # The null block holds no prefix (vLLM's cache_full_blocks skips it too).
+        stored = [(blk, h) for blk, h in zip(blocks, block_hashes)
+                  if not blk.is_null and self.cache_block(blk, h)]
         if stored and self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockStored(
                 [h for _, h in stored], parent_block_hash, list(token_ids), block_size,

@@ -65,6 +65,9 @@ class Request:
     num_output_placeholders: int = 0
     num_in_flight_tokens: int = 0
     num_stale_output_tokens: int = 0
+    # The stale output is discarded rather than delivered: set when the request may resume
+    # before its steps in flight are read (reset_prefix_cache), as vLLM's drop_stale_output.
+    drop_stale_output: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -31,6 +31,7 @@ vLLM's scheduler sees neither (vLLM fans n > 1 out into independent requests in
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvlab.config import EngineConfig
@@ -268,8 +269,14 @@ class Scheduler:
         """Then waiting requests, in the queue's order, while seats, budget and blocks allow."""
         kv = self.kv_cache_manager
         seats = self._num_seats_in_use()
+        skipped: deque[Request] = deque()
         while self.waiting and budget > 0:
             request = self.waiting.peek_request()
+            if request.num_stale_output_tokens > 0 and not request.drop_stale_output:
+                # Its step in flight still delivers a token: resuming it first would sample
+                # that position again (vLLM skips it, ahead of the queue, until it drains).
+                skipped.appendleft(self.waiting.pop_request())
+                continue
             cost = self._seat_cost(request)
             if seats + cost > self.config.max_num_seqs:
                 break
@@ -311,6 +318,8 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
             self._on_scheduled(request, num_new, out)
+        if skipped:  # back at the head of the queue, in their order
+            self.waiting.prepend_requests(skipped)
 
     def finish_output(self, out: SchedulerOutput) -> None:
         """Fill in what the model runner reads besides the (request, tokens) pairs."""
@@ -323,12 +332,16 @@ class Scheduler:
         out.num_decode_tokens = sum(1 for r, _ in out.scheduled
                                     if r.num_computed_tokens >= r.num_prompt_tokens)
 
-    def _preempt(self, request: Request, out: SchedulerOutput, front: bool = True) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput, front: bool = True,
+                 drop_stale_output: bool = False) -> None:
         assert request.status == RequestStatus.RUNNING, (
             f"preempting {request.request_id}, which is {request.status.value}, not running")
         self.kv_cache_manager.free(request.request_id)
         request.num_computed_tokens = 0  # recompute prompt + generated tokens later
-        # A step in flight still delivers its token, but changes no counter (vLLM's stale share).
+        # A step in flight still delivers its token, but changes no counter (vLLM's stale share);
+        # with drop_stale_output it is discarded. An undrained dropped share stays dropped.
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.status = RequestStatus.PREEMPTED
@@ -347,8 +360,8 @@ class Scheduler:
         is preempted first, newest first, so they run again in their order and recompute."""
         if reset_running_requests:
             out = SchedulerOutput()  # the preemptions are reported by no step
-            while self.running:
-                self._preempt(self.running.pop(), out)
+            while self.running:  # they may resume before the steps in flight are read
+                self._preempt(self.running.pop(), out, drop_stale_output=True)
         return self.kv_cache_manager.reset_prefix_cache()
 
     # ---- results in --------------------------------------------------------------------------
@@ -361,6 +374,8 @@ class Scheduler:
         for request, num_new in sched.scheduled:
             stale = self._settle_in_flight(request, num_new,
                                            request.request_id in output.sampled_token_ids)
+            if stale and request.drop_stale_output:
+                continue  # preempted to resume at once (reset_prefix_cache): discarded
             for r in self._samplers(request, sched):
                 if r.request_id not in output.sampled_token_ids or r.is_finished:
                     continue
@@ -369,16 +384,16 @@ class Scheduler:
                 r.append_output_token(output.sampled_token_ids[r.request_id], now)
                 if r.request_id in output.logprobs:
                     r.output_logprobs.append(output.logprobs[r.request_id])
+                if self.config.async_scheduling and not stale:
+                    # The blocks this token completes could not be keyed when the step was
+                    # scheduled (the token was a placeholder then): key them now, before a
+                    # stop frees them (vLLM keys them here under async scheduling).
+                    self.kv_cache_manager.cache_blocks(
+                        r, r.num_computed_tokens - r.num_in_flight_tokens)
                 reason = r.check_stop(self.config.max_model_len)
                 if reason is not None:
                     self.finish_request(r, reason)
                     r.metrics.finished_time = now
-                elif self.config.async_scheduling and not stale:
-                    # The blocks this token completes could not be keyed when the step was
-                    # scheduled (the token was a placeholder then): key them now (vLLM keys
-                    # them here under async scheduling).
-                    self.kv_cache_manager.cache_blocks(
-                        r, r.num_computed_tokens - r.num_in_flight_tokens)
                 touched.append(r)
         self._after_update()
         return touched

@@ -139,7 +139,10 @@ def compiled_flex_report(steps: int = 200, repeats: int = 1, model: str | None =
     engine = ENGINE | (engine or {})
 
     def run(backend: str, **kwargs) -> Run:
-        return run_workload(LLM(model, backend=backend, **engine, **kwargs), arrivals, steps)
+        # Cold: both backends must compute the same arrivals (no prefix hit in one only).
+        return run_workload(LLM(model, backend=backend, **{"enable_prefix_caching": False,
+                                                           **engine, **kwargs}),
+                            arrivals, steps)
 
     def same(a: Run, b: Run) -> str:
         return f"{sum(a.tokens.get(r) == t for r, t in b.tokens.items())}/{len(b.tokens)}"

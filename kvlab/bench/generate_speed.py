@@ -17,7 +17,8 @@ def speed(batch_sizes=(1, 16), max_tokens: int = 64, repeats: int = 3, prompt_le
     loaded = load_model(model)
     tok = loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    llm = LLM(model, max_model_len=1024, kv_cache_tokens=32 * 1024)
+    llm = LLM(model, max_model_len=1024, kv_cache_tokens=32 * 1024,
+              enable_prefix_caching=False)  # repeated prompts: computed every time
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     rows = []
     for batch in batch_sizes:

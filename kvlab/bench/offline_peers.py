@@ -63,7 +63,10 @@ def compare_peers(num_requests: int = 16, input_lens=(64, 128), output_lens=(96,
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     n = num_requests
     prompts, params, lens_out = mixed_workload(tok, n, input_lens, output_lens)
-    llm = LLM(model, max_model_len=max(input_lens) + max(output_lens) + 16)
+    # Cold (no prefix cache): the warm-up and the peers run the same prompts, and kvlab must
+    # compute them as the peers do.
+    llm = LLM(model, max_model_len=max(input_lens) + max(output_lens) + 16,
+              enable_prefix_caching=False)
     two = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
     def run(name: str, batch: list[list[int]], short: bool = False):
@@ -184,7 +187,8 @@ def ceiling_fraction(batch: int = 16, input_len: int = 96, output_len: int = 64,
     slower rate would flatter kvlab, so its fraction is returned beside, for comparison only."""
     loaded = load_model(model)
     rates = machine_rates(device=loaded.device, dtype=loaded.dtype)
-    llm = LLM(model, max_model_len=input_len + output_len + 16)
+    llm = LLM(model, max_model_len=input_len + output_len + 16,
+              enable_prefix_caching=False)  # repeated prompts: computed every time, as the peers do
     tok = llm.get_tokenizer()
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(tok, batch, input_len, input_len)]

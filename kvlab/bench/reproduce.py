@@ -117,7 +117,8 @@ def paged_admission(repeats: int = 3, model: str | None = None,
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = {}
     for layout in ("contiguous", "paged"):
-        llm = LLM(model, kv_layout=layout, block_size=16, kv_cache_tokens=2560, max_model_len=512)
+        llm = LLM(model, kv_layout=layout, block_size=16, kv_cache_tokens=2560, max_model_len=512,
+                  enable_prefix_caching=False)  # the layouts alone: no cache on either side
         llm.generate(prompts[:2], params)  # warm-up
         start = llm.llm_engine.num_steps
         t0 = time.perf_counter()

@@ -126,7 +126,8 @@ def make_engine(model: str | None, attention=None, **knobs) -> LLM:
     """An engine for the bench; `attention` (a function returning a backend), when given,
     replaces its attention backend: the bench's way to run an older decode path beside the
     current one in the same process."""
-    llm = LLM(model, **knobs)
+    # Cold unless asked: the bench repeats its prompts, and each step must compute them.
+    llm = LLM(model, **{"enable_prefix_caching": False, **knobs})
     if attention is not None:
         llm.llm_engine.set_attention_backend(attention())
     return llm

@@ -2,6 +2,10 @@
 
 Protocol as the articles chapters 03-04 reproduce: a warm-up batch excluded, then `repeats` batches; medians are
 reported with their spread. Every batch uses fresh prompts.
+
+Every engine here runs without a prefix cache (vLLM's default has one): prompts from
+`make_prompts` repeat across warm-ups, repeats and long bursts, and a hit would turn these
+measurements of scheduling into chapter 05's of caching.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ def continuous_batching_table(
     rows, engines = [], {}
     for name, c in tqdm(points, desc="continuous batching", disable=not progress):
         if name not in engines:
-            engines[name] = LLM(model, max_model_len=input_len + output_len + 16,
+            engines[name] = LLM(model, enable_prefix_caching=False, max_model_len=input_len + output_len + 16,
                                 **servers[name][0])
         rows.append({"server": name, "concurrency": c,
                      **measure_bursts(engines[name], c, input_len, output_len,
@@ -128,7 +132,7 @@ def kv_capacity_sweep(concurrencies=(1, 4, 8, 16, 32), kv_cache_tokens: int = 15
                       progress: bool = False) -> dict:
     """Concurrency past what the KV budget holds: throughput flattens, TTFT climbs, requests are
     preempted. Returns the rows and the predicted knee, KV tokens / tokens per request."""
-    llm = LLM(model, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
+    llm = LLM(model, enable_prefix_caching=False, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
               max_model_len=input_len + output_len + block_size)
     rows = [{"concurrency": c, **measure_bursts(llm, c, input_len, output_len, repeats)}
             for c in tqdm(concurrencies, desc="KV capacity", disable=not progress)]
@@ -142,7 +146,7 @@ def gantt_runs(num_requests: int = 8, max_num_seqs: int = 4, input_len: int = 32
     """The same workload under static and continuous batching; each run's step trace."""
     runs = {}
     for scheduling in ("static", "continuous"):
-        llm = LLM(model, scheduling=scheduling, max_num_seqs=max_num_seqs,
+        llm = LLM(model, enable_prefix_caching=False, scheduling=scheduling, max_num_seqs=max_num_seqs,
                   max_model_len=input_len + max(output_lens) + 16, kv_cache_tokens=4096)
         tok = llm.get_tokenizer()
         prompts = burst_prompts(tok, num_requests, input_len, 0)
@@ -163,8 +167,8 @@ def throughput_targets(num_requests: int = 16, input_lens=(64, 128), output_lens
     prompts, params, lens_out = mixed_workload(tok, num_requests, input_lens, output_lens)
     useful = sum(lens_out)
     max_len = max(input_lens) + max(output_lens) + 16
-    engines = {"continuous": LLM(model, max_model_len=max_len),
-               "max_num_seqs=1": LLM(model, max_model_len=max_len, max_num_seqs=1)}
+    engines = {"continuous": LLM(model, enable_prefix_caching=False, max_model_len=max_len),
+               "max_num_seqs=1": LLM(model, enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=1)}
     work = {name: (lambda llm=llm: llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                 params))
             for name, llm in engines.items()}
@@ -195,7 +199,7 @@ def engine_overhead(num_requests: int = 64, input_len: int = 32, output_len: int
                     model: str | None = None) -> dict:
     """Share of step time spent outside the model forward (scheduling, block bookkeeping,
     building the batch, sampling) in decode steps with every request running."""
-    llm = LLM(model, max_model_len=input_len + output_len + 16)
+    llm = LLM(model, enable_prefix_caching=False, max_model_len=input_len + output_len + 16)
     tok = llm.get_tokenizer()
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     run_batch(llm, burst_prompts(tok, 4, input_len, 0), sp)  # warm-up
@@ -214,7 +218,7 @@ def engine_overhead(num_requests: int = 64, input_len: int = 32, output_len: int
 
 def prefill_rate(lengths=(128, 256, 512, 1024), model: str | None = None) -> dict:
     """Prefill tokens per second on this machine: one prompt per step, model time only."""
-    llm = LLM(model, max_model_len=max(lengths) + 16, enable_chunked_prefill=False)
+    llm = LLM(model, enable_prefix_caching=False, max_model_len=max(lengths) + 16, enable_chunked_prefill=False)
     tok = llm.get_tokenizer()
     sp = SamplingParams(max_tokens=1, temperature=0)
     points = []
@@ -276,9 +280,9 @@ def chunked_prefill_stall(budget: int | None, long_len: int = 1024, decode_promp
 def stall_engine(budget: int | None, long_len: int = 1024, model: str | None = None) -> LLM:
     max_len = long_len + 512
     if budget is None:
-        return LLM(model, max_model_len=max_len, enable_chunked_prefill=False,
+        return LLM(model, enable_prefix_caching=False, max_model_len=max_len, enable_chunked_prefill=False,
                    max_num_batched_tokens=max_len)
-    return LLM(model, max_model_len=max_len, max_num_batched_tokens=budget)
+    return LLM(model, enable_prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=budget)
 
 
 def chunked_prefill_trials(budget: int | None, long_len: int = 1024, repeats: int = 1,
@@ -327,7 +331,7 @@ def full_prompt_admission(num_requests: int = 12, input_len: int = 200, output_l
     needed = num_requests * (input_len + output_len - 1)  # the last token is never fed back
     rows, tokens = [], {}
     for full in tqdm((True, False), desc="full-prompt admission", disable=not progress):
-        llm = LLM(model, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
+        llm = LLM(model, enable_prefix_caching=False, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
                   max_model_len=input_len + output_len + block_size,
                   max_num_batched_tokens=budget, scheduler_reserve_full_isl=full)
         result = run_batch(llm, prompts, sp)
@@ -345,3 +349,44 @@ def full_prompt_admission(num_requests: int = 12, input_len: int = 200, output_l
     return {"rows": rows, "same_tokens": tokens[True] == tokens[False],
             "kv_tokens": kv_cache_tokens, "budget": budget, "input_len": input_len,
             "output_len": output_len, "num_requests": num_requests}
+
+
+def head_of_line(thresholds=(0, 64), long_len: int = 1024, short_len: int = 32,
+                 budget: int = 256, arrive_after: int = 1, repeats: int = 3,
+                 model: str | None = None) -> list[dict]:
+    """The stall chunked prefill leaves: a `long_len`-token prompt is being prefilled in chunks
+    of `budget` tokens when a `short_len`-token one arrives (after `arrive_after` of the long
+    prompt's steps). Per `long_prefill_token_threshold` (0: vLLM's default, no cap): the short
+    request's TTFT and the steps it waited, and the long prompt's TTFT, what the cap costs it.
+    Medians over `repeats` runs on one engine per threshold, after a warm-up run."""
+    rows = []
+    for threshold in thresholds:
+        llm = LLM(model, enable_prefix_caching=False, max_model_len=long_len + 64,
+                  max_num_batched_tokens=budget, long_prefill_token_threshold=threshold)
+        engine = llm.llm_engine
+        tok = llm.get_tokenizer()
+        long_ids, short_ids = make_prompts(tok, 2, short_len, long_len)[::-1]
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        runs = []
+        for i in range(repeats + 1):  # the first run is the warm-up
+            start = engine.num_steps
+            engine.add_request(f"long-{i}", {"prompt_token_ids": long_ids[:long_len]}, one)
+            long_req = engine.requests[f"long-{i}"]
+            while engine.num_steps < start + arrive_after:  # steps of the long prompt read
+                engine.step()
+            engine.add_request(f"short-{i}", {"prompt_token_ids": short_ids[:short_len]}, one)
+            short_req, arrived_at = engine.requests[f"short-{i}"], engine.num_steps
+            finished = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = (out.metrics.ttft, engine.num_steps)
+            if i:
+                runs.append({"short_ttft_ms": 1000 * finished[short_req.request_id][0],
+                             "short_steps_waited": finished[short_req.request_id][1] - arrived_at,
+                             "long_ttft_ms": 1000 * finished[long_req.request_id][0]})
+        rows.append({"long_prefill_token_threshold": threshold, "budget": budget,
+                     "long_len": long_len, "short_len": short_len,
+                     **{k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}})
+    return rows
+

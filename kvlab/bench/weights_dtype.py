@@ -38,7 +38,8 @@ def weights_dtype_table(dtypes=DTYPES, batches=BATCHES, context: int = 64, steps
     max_len = context + 32
     for name in dtypes:
         llm = LLM(model, dtype=name, max_model_len=max_len, max_num_seqs=max(batches),
-                  kv_cache_tokens=max(batches) * max_len + 64, max_num_batched_tokens=2048)
+                  kv_cache_tokens=max(batches) * max_len + 64, max_num_batched_tokens=2048,
+                  enable_prefix_caching=False)  # repeated prompts: computed every time
         engine = llm.llm_engine
         rates = best_rates(engine.device, engine.dtype, repeats=3)
         # Warm-up: first-call allocations, kernel choices (a batch the pool holds at once).

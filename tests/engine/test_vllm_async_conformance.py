@@ -23,6 +23,11 @@ structured output, which kvlab does not have. test_scheduler.py's
 test_async_scheduling_pp_allows_rescheduling_with_output_placeholders (pipeline parallelism) is
 listed in test_vllm_conformance.py's NOT_PORTED.
 
+Tests named `test_src_*` are not vLLM tests: they pin behaviours of the 0.33.0 source around
+steps in flight that no vLLM test above covers (the blocks a request's last token completes are
+keyed before it is freed; a preempted request with a token still in flight is not resumed until
+it arrives; a reset that preempts running requests drops their stale output).
+
 The vLLM test copy read for this port may be newer than 0.33.0; every expectation was checked
 against the 0.33.0 source (vllm/v1/core/sched/scheduler.py: schedule's running loop and its
 max_tokens check, _preempt_request, _update_after_schedule, update_from_output,
@@ -47,7 +52,6 @@ from kvlab.request import RequestStatus  # noqa: E402
 from kvlab.scheduler import SchedulerOutput  # noqa: E402
 
 AS = "tests/v1/core/test_async_scheduler.py"
-SC = "tests/v1/core/test_scheduler.py"
 BLOCK_SIZE = 16
 
 
@@ -363,18 +367,12 @@ def test_preemption_re_records_prefix_cache_query():
 
 
 # =================================================================================================
-# vLLM 0.33.0 source behaviours of steps in flight that no vLLM test above pins (test_src_*).
-# kvlab does not have them yet: each is a strict xfail naming the kvlab function; remove the
-# marker when kvlab follows the source (strict: an unexpected pass fails, as a reminder).
+# vLLM 0.33.0 source behaviours of steps in flight that no vLLM test above pins (test_src_*):
+# each test names the kvlab function and the vLLM code it follows.
 # =================================================================================================
 _SCHED = "vllm/v1/core/sched/scheduler.py (0.33.0)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab Scheduler.update_from_output keys the blocks a step's token completes only when "
-    "the request goes on (the `elif` after check_stop); 0.33.0's update_from_output calls "
-    "kv_cache_manager.cache_blocks whenever the request was RUNNING with output placeholders, "
-    "before _free_request (" + _SCHED + ", update_from_output)"))
 def test_src_async_stop_keys_the_blocks_its_last_step_completed():
     """sched/scheduler.py update_from_output: under async scheduling the block that a
     request's last step completes is keyed when that step is read, even though the request
@@ -411,11 +409,6 @@ def test_src_async_stop_keys_the_blocks_its_last_step_completed():
             async_scheduling)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab Scheduler._schedule_waiting admits a preempted request whose in-flight output is "
-    "still to be delivered; 0.33.0's waiting loop skips it (`if "
-    "request.num_stale_output_tokens and not request.drop_stale_output: skip_request`, "
-    + _SCHED + ", Scheduler.schedule)"))
 def test_src_preempted_request_waits_for_its_stale_output():
     """sched/scheduler.py schedule(), waiting loop: a preempted request whose stale output is
     still in flight is skipped (deferred, put back at the head of the queue) until that output
@@ -449,12 +442,6 @@ def test_src_preempted_request_waits_for_its_stale_output():
     assert requests[1].request_id in out4.resumed_req_ids
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab Scheduler.reset_prefix_cache preempts through _preempt, which keeps delivering the "
-    "in-flight output (stale); 0.33.0 preempts with drop_stale_output=True and "
-    "update_from_output discards such output (`if output_is_stale and "
-    "request.drop_stale_output: continue`), " + _SCHED + ", reset_prefix_cache, "
-    "_preempt_request, update_from_output"))
 def test_src_reset_prefix_cache_drops_in_flight_output():
     """sched/scheduler.py reset_prefix_cache(reset_running_requests=True): the running
     requests are preempted with drop_stale_output=True, because they may resume in the very

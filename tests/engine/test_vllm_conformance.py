@@ -960,9 +960,9 @@ def test_stop_via_update_from_output():
     def running_scheduler(requests):
         scheduler = create_scheduler()
         for req in requests:
-            # kvlab advances num_computed_tokens in update_from_output (vLLM: in schedule), so
-            # a scheduled decode step starts one token short.
-            req.num_computed_tokens = req.num_tokens - 1
+            # As schedule() leaves a request it scheduled (kvlab's and vLLM's both advance
+            # num_computed_tokens there): its whole sequence computed.
+            req.num_computed_tokens = req.num_tokens
             req.status = RequestStatus.RUNNING
             scheduler.running.append(req)
         return scheduler
@@ -970,8 +970,9 @@ def test_stop_via_update_from_output():
     def step(scheduler, sampled):
         out = SchedulerOutput(scheduled=[(r, 1) for r in scheduler.running
                                          if r.request_id in sampled])
+        out.num_computed_tokens = {r.request_id: r.num_tokens - 1 for r, _ in out.scheduled}
         for r, _ in out.scheduled:
-            r.num_computed_tokens = r.num_tokens - 1
+            r.num_computed_tokens = r.num_tokens
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
 
     # Case 1: stop on EOS.
@@ -1617,9 +1618,6 @@ _EC = "encoder cache / EC connector (kvlab has no encoder)"
 _HY = "hybrid or non-full-attention KV cache groups (kvlab has one full-attention group)"
 _EA = "EAGLE prefix-cache hashing (kvlab has no EAGLE)"
 _CFG = "KV cache sizing from memory / layer specs (kvlab sizes its pool from kv_cache_tokens)"
-_INFLIGHT = ("schedules again before the previous step's output is processed: kvlab advances "
-             "num_computed_tokens in update_from_output, vLLM in schedule(), so an in-flight "
-             "step cannot be expressed")
 
 NOT_PORTED = (
     # ---- test_prefix_caching.py
@@ -1734,12 +1732,7 @@ NOT_PORTED = (
     ("test_throttle_capacity_bound_guard_admits", SC, "DP prefill throttling"),
     ("test_no_mm_input_chunking", SC, _MM),
     ("test_check_stop_min_tokens", SC, "SamplingParams.min_tokens (kvlab has none)"),
-    ("test_schedule_concurrent_batches", SC, _INFLIGHT),
-    ("test_preempt_during_execution", SC, _INFLIGHT + " (test_src_fcfs_preempts_newest_running_"
-     "request covers the preemption itself)"),
     ("test_prefix_cache_query_not_inflated_by_connector_defer", SC, _KVC),
-    ("test_preemption_re_records_prefix_cache_query", SC, _INFLIGHT + " (a request preempted "
-     "between schedule and its output)"),
     ("test_reset_connector_cache_no_connector_is_no_op_success", SC, _KVC),
     ("test_schedule_spec_decoding_stats", SC, _SD),
     ("test_spec_decoding_stats_empty_output", SC, _SD),
@@ -1813,8 +1806,6 @@ NOT_PORTED = (
      "request_queue.py, in tests/engine/test_scheduling_policy.py"),
     ("tests/v1/core/test_output.py (all)", "tests/v1/core/test_output.py",
      "NewRequestData's repr of prompt embeds (kvlab has no prompt embeds)"),
-    ("tests/v1/core/test_async_scheduler.py (all)", "tests/v1/core/test_async_scheduler.py",
-     "async scheduling (kvlab's steps are synchronous)"),
     ("tests/v1/core/test_encoder_cache_manager.py (all)",
      "tests/v1/core/test_encoder_cache_manager.py", _EC),
     ("tests/v1/core/test_kv_sharing.py (all)", "tests/v1/core/test_kv_sharing.py",
