@@ -111,20 +111,24 @@ def loop_orders(num_requests: int = 2, prompt_len: int = 24, max_tokens: int = 4
 
 def stop_slots(prompt_len: int = 31, stop_after: int = 6, block_size: int = 4,
                model: str | None = None) -> list[dict]:
-    """One greedy request that ends on a stop token (its `stop_after`-th output token), in each
-    loop: the most positions it was given K/V slots for, against prompt + N - 1 (N: its
-    output tokens). Under async scheduling the step after the stop token is scheduled before
-    the stop is seen: one slot more, and a block more when that slot starts a new block."""
+    """One greedy request that ends on a stop token, in each loop: the most positions it was
+    given K/V slots for, against prompt + N - 1 (N: its output tokens). The stop token is the
+    greedy output's first token, at or after the `stop_after`-th, that did not appear before it
+    and that makes prompt + N - 1 fill its last block exactly. Under async scheduling the step
+    after the stop token is scheduled before the stop is seen: one slot more, here a block more.
+    """
     rows = []
     for async_scheduling in (False, True):
-        llm = LLM(model, block_size=block_size, max_model_len=prompt_len + 64,
+        llm = LLM(model, block_size=block_size, max_model_len=prompt_len + 128,
                   kv_cache_tokens=1024, async_scheduling=async_scheduling,
                   enable_prefix_caching=False)
         prompt = {"prompt_token_ids": make_prompts(llm.get_tokenizer(), 1, prompt_len,
                                                    prompt_len)[0]}
-        free_run = llm.generate(prompt, SamplingParams(max_tokens=stop_after + 4,
-                                                       temperature=0, ignore_eos=True))[0]
-        stop = free_run.outputs[0].token_ids[stop_after - 1]
+        free = llm.generate(prompt, SamplingParams(max_tokens=stop_after + 8 * block_size,
+                                                   temperature=0, ignore_eos=True))[0]
+        ids = free.outputs[0].token_ids
+        k = next(k for k in range(stop_after - 1, len(ids))
+                 if ids[k] not in ids[:k] and (prompt_len + k) % block_size == 0)
         engine = llm.llm_engine
         seen = {"slots": 0}
 
@@ -134,8 +138,8 @@ def stop_slots(prompt_len: int = 31, stop_after: int = 6, block_size: int = 4,
                     seen["slots"] = max(seen["slots"], sched.num_computed_tokens[r.request_id] + n)
 
         engine.add_observer(_Peak())
-        out = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0,
-                                                  stop_token_ids=[stop]))[0].outputs[0]
+        out = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[ids[k]]))[0].outputs[0]
         n = len(out.token_ids)
         rows.append({"async_scheduling": async_scheduling, "output_tokens": n,
                      "finish_reason": out.finish_reason,

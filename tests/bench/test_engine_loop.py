@@ -45,3 +45,9 @@ def test_the_long_prefill_threshold_lets_a_short_request_overtake_a_long_prefill
     # Without the cap the short request waits for the long prompt's chunks; with it, it is
     # scheduled beside the next chunk.
     assert on["short_steps_waited"] < off["short_steps_waited"]
+
+
+def test_the_extra_slot_takes_a_block_more_when_the_last_block_is_full():
+    sync, asyn = engine_loop.stop_slots(prompt_len=13, stop_after=4, block_size=4)
+    assert sync["p_plus_n_minus_1"] % 4 == 0  # the stop was chosen so the last block is full
+    assert asyn["blocks_needed"] == sync["blocks_needed"] + 1
