@@ -344,7 +344,8 @@ class KVCacheManager:
         """
         bs = self.block_size
         owner: list[tuple[str | None, int, int]] = [(None, 0, 0)] * self.num_blocks
-        owner[self.block_pool.null_block.block_id] = (NULL_BLOCK_OWNER, 0, 0)
+        if self.block_pool.null_block is not None:
+            owner[self.block_pool.null_block.block_id] = (NULL_BLOCK_OWNER, 0, 0)
         for rid, blocks in self.req_to_blocks.items():
             n = num_tokens.get(rid, 0)
             end = (final_tokens or {}).get(rid, len(blocks) * bs)

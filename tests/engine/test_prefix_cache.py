@@ -188,3 +188,23 @@ def test_preempted_requests_reuse_their_own_cached_blocks(text_ids, hf_greedy):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(p, 16)
     assert_no_blocks_held(llm)
+
+
+def test_the_engine_keys_a_requests_blocks_when_it_is_made_and_as_tokens_are_appended(text_ids):
+    """vLLM's Request calls its block hasher when it is created and whenever a token is
+    appended (vllm/v1/request.py; get_request_block_hasher in vllm/v1/core/kv_cache_utils.py):
+    the keys of every full block exist before anyone asks the cache."""
+    llm = LLM(block_size=8, max_model_len=128, kv_cache_tokens=512)
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": text_ids[:20]},
+                       SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    request = engine.requests["r"]
+    assert len(request.block_hashes) == 20 // 8  # the prompt's full blocks, before any step
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(request.block_hashes) == request.num_tokens // 8
+    assert len(request.block_hashes) == 26 // 8  # a token appended filled the third block
+    cold = LLM(block_size=8, max_model_len=128, kv_cache_tokens=512, enable_prefix_caching=False)
+    cold.llm_engine.add_request("r", {"prompt_token_ids": text_ids[:20]},
+                                SamplingParams(max_tokens=2))
+    assert cold.llm_engine.requests["r"].block_hashes == []  # no cache, no keys

@@ -132,3 +132,41 @@ def test_the_concurrency_table_takes_repeats_per_server_and_refuses_a_stray_name
                                                 repeats={"max_num_seqs=1": 1, "default": 2})
     assert [(r["server"], r["concurrency"]) for r in rows] == [("max_num_seqs=1", 1),
                                                                 ("default", 2)]
+
+
+def _everything_on(text_ids, async_scheduling, params, pressure=True):
+    """Shared prefixes (prefix hits), a 24-token budget (chunks) and a pool too small for the
+    burst (preemption, re-admission hitting its own blocks), in one loop or the other."""
+    prompts = [{"prompt_token_ids": text_ids[:32] + text_ids[100 + 9 * i: 110 + 9 * i]}
+               for i in range(5)]
+    llm = LLM(block_size=8, max_model_len=96, kv_cache_tokens=96, max_num_batched_tokens=24,
+              async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_preemptions"] > 0 or not pressure  # early stops may leave room
+    assert_no_blocks_held(llm)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_both_loops_give_transformers_greedy_tokens_with_everything_on(text_ids, hf_greedy,
+                                                                       async_scheduling):
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts, tokens = _everything_on(text_ids, async_scheduling, sp)
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(prompt["prompt_token_ids"], 16)
+
+
+def test_async_scheduling_gives_the_synchronous_loops_seeded_samples_and_stops(text_ids):
+    """Seeded sampling, and requests that end on a stop token (found one step late under
+    async scheduling, its extra slot freed): the same tokens in both loops."""
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    assert (_everything_on(text_ids, False, seeded)[1]
+            == _everything_on(text_ids, True, seeded)[1])
+    _, free = _everything_on(text_ids, False, SamplingParams(max_tokens=16, temperature=0,
+                                                            ignore_eos=True))
+    stops = sorted({t[5] for t in free})[:3]
+    stopped = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=stops)
+    sync, asyn = (_everything_on(text_ids, a, stopped, pressure=False)[1] for a in (False, True))
+    assert sync == asyn and any(len(t) < 16 for t in sync)

@@ -20,8 +20,10 @@ The differences, and how they are bridged:
    tail of the block table, hits excluded) or None.
 2. `get_computed_blocks` returns (list of blocks, num_tokens) in kvlab; vLLM returns
    (KVCacheBlocks, num_tokens, shared_prefix_boundary). The tests read kvlab's directly.
-3. Requests: kvlab requests take ids, an `eos_token_ids` set and `RequestMetrics`; block hashes
-   are filled lazily by the manager (vLLM: a block hasher at construction). `make_request()`.
+3. Requests: kvlab requests take ids, an `eos_token_ids` set and `RequestMetrics`
+   (`make_request()`). kvlab's engine gives each request a block hasher, as vLLM's does
+   (keys computed at creation and on every appended token); requests built here have none,
+   and the manager keys their blocks when it first needs them, with the same keys.
 4. The scheduler's output. kvlab's SchedulerOutput lists `scheduled` (request, num_new_tokens)
    pairs, `num_scheduled_tokens` (vLLM's name) and `block_ids` = the WHOLE block table of each
    scheduled request (copy-on-write can replace a block mid-table, so kvlab always sends whole

@@ -245,7 +245,7 @@ def alt_choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dty
                         bytes_per_token):
     ok = sorted((bytes_per_token[d], d) for d, kl in kl_by_dtype.items() if kl <= max_kl)
     dtype = ok[0][1]
-    tokens = num_requests * math.ceil(request_len / block_size) * block_size
+    tokens = (num_requests * math.ceil(request_len / block_size) + 1) * block_size  # + block 0
     return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes": tokens * bytes_per_token[dtype]}
 
 

@@ -18,7 +18,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from kvlab import LLM, SamplingParams  # noqa: E402
 from kvlab.workbook import widgets
 from kvlab.workbook.explorer import (  # noqa: E402
-    CACHED, FREE, HELD, SHARED, BlockView, EngineExplorer, EngineSnapshot, RequestView, snapshot,
+    CACHED, FREE, HELD, NULL, SHARED, BlockView, EngineExplorer, EngineSnapshot, RequestView,
+    snapshot,
 )
 from kvlab.workbook.viz import COPY_EDGE, SHARED_COLOUR, draw_snapshot, format_queues  # noqa: E402
 
@@ -44,8 +45,11 @@ def kinds(snap: EngineSnapshot) -> list[tuple[str, str | None]]:
 
 
 def test_blocks_queues_and_budget_follow_the_engine_step_by_step(text_ids):
-    # 16 blocks of 4 slots; a 16-token budget, so the second prompt is chunked.
-    llm = LLM(block_size=4, kv_cache_tokens=64, max_model_len=64, max_num_batched_tokens=16)
+    # 16 usable blocks of 4 slots (1..16; block 0 is vLLM's null block); a 16-token budget, so
+    # the second prompt is chunked. A cold engine: the finished requests' blocks end up free,
+    # not cached (chapter 05's prefix caching is vLLM's default, off here).
+    llm = LLM(block_size=4, kv_cache_tokens=64, max_model_len=64, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
     ex = EngineExplorer(llm, max_tokens=4)
     ex.add_request(text_ids[:10])
     snap = ex.add_request(text_ids[20:32])
@@ -58,8 +62,9 @@ def test_blocks_queues_and_budget_follow_the_engine_step_by_step(text_ids):
     assert [(r.request_id, n) for r, n in sched.scheduled] == [("r0", 10), ("r1", 6)]
     assert (snap.num_decode_tokens, snap.num_prefill_tokens, snap.token_budget) == (0, 16, 16)
     assert kinds(snap) == [("admitted", "r0"), ("admitted", "r1")]
-    assert snap.block_tables == {"r0": [0, 1, 2], "r1": [3, 4]} and snap.count(HELD) == 5
-    assert [b.num_filled for b in snap.blocks[:5]] == [4, 4, 2, 4, 2]
+    assert snap.block_tables == {"r0": [1, 2, 3], "r1": [4, 5]} and snap.count(HELD) == 5
+    assert snap.blocks[0].state == NULL and snap.count(NULL) == 1
+    assert [b.num_filled for b in snap.blocks[1:6]] == [4, 4, 2, 4, 2]
     assert_matches_engine(snap, llm)
     assert "running (2): r0 [10/11 tokens in KV, 1/4 out], r1 [6/12" in format_queues(snap)
 
@@ -107,8 +112,9 @@ def test_evictions_come_from_kv_cache_events_even_in_steps_taken_elsewhere(text_
     assert len(evicted) == 2 and {e.step for e in evicted} == {step}
     assert [k for _, k in [(s, type(e).__name__) for s, e in engine.kv_events]].count(
         "BlockRemoved") == 2
-    # r0's two keyed blocks (0 and 1) were the ones evicted, after its unkeyed one and the unused.
-    assert sorted(e.detail.split(",")[0] for e in evicted) == ["block 0", "block 1"]
+    # r0's two keyed blocks (1 and 2; block 0 is the null block) were the ones evicted, after
+    # its unkeyed one and the unused.
+    assert sorted(e.detail.split(",")[0] for e in evicted) == ["block 1", "block 2"]
     ex.run_to_end()
     assert llm.reset_prefix_cache()
     snap = ex.step()  # nothing to run; the reset is reported
@@ -117,8 +123,10 @@ def test_evictions_come_from_kv_cache_events_even_in_steps_taken_elsewhere(text_
 
 
 def test_a_small_pool_preempts_the_newest_and_the_snapshot_says_so(text_ids):
-    # 4 blocks of 4: two 6-token prompts take two blocks each; at the 9th token r0 needs a third.
-    llm = LLM(block_size=4, kv_cache_tokens=16, max_model_len=16)
+    # 4 usable blocks of 4 (and block 0, the null block): two 6-token prompts take two blocks
+    # each; at the 9th token r0 needs a third. No prefix cache: the preemption is the story (with
+    # it on, r1's freed blocks keep their keys and r0's new block evicts one in the same step).
+    llm = LLM(block_size=4, kv_cache_tokens=16, max_model_len=16, enable_prefix_caching=False)
     ex = EngineExplorer(llm, max_tokens=8)
     ex.add_request(text_ids[:6])
     ex.add_request(text_ids[10:16])
@@ -141,25 +149,28 @@ def test_a_small_pool_preempts_the_newest_and_the_snapshot_says_so(text_ids):
 
 
 def test_fork_shares_blocks_then_copy_on_write_marks_the_copies(text_ids):
-    llm = LLM(block_size=4, kv_cache_tokens=128, max_model_len=64)
+    # Chapter 02's fork (vLLM v1's default for n > 1 is child requests, chosen by name here).
+    llm = LLM(block_size=4, kv_cache_tokens=128, max_model_len=64, parallel_sampling="fork")
     ex = EngineExplorer(llm)
     ex.add_request(text_ids[:6], params=SamplingParams(n=3, max_tokens=3, temperature=0.8,
                                                        seed=1))
     snap = ex.step()  # sample 0 computes the prompt; samples 1 and 2 fork from it
     assert ("forked", "0_r0") in kinds(snap) and "1_r0, 2_r0" in snap.events[-1].detail
-    assert [(b.state, b.ref_cnt) for b in snap.blocks[:2]] == [(SHARED, 3), (SHARED, 3)]
+    # The prompt's blocks are 1 and 2 (block 0 is the null block).
+    assert [(b.state, b.ref_cnt) for b in snap.blocks[:3]] == [(NULL, 0), (SHARED, 3),
+                                                               (SHARED, 3)]
     assert snap.running == ["0_r0", "1_r0", "2_r0"]
     assert_matches_engine(snap, llm)
 
-    snap = ex.step()  # each sample writes position 6, in shared block 1: two copy it first
+    snap = ex.step()  # each sample writes position 6, in shared block 2: two copy it first
     copies = llm.llm_engine.last_scheduler_output.cow_copies
     assert len(copies) == 2
     cow = [e for e in snap.events if e.kind == "copy_on_write"]
     assert [e.request_id for e in cow] == ["0_r0", "1_r0"]
     assert [e.detail for e in cow] == [f"block {s} -> {d}" for s, d in copies]
     assert {b.block_id for b in snap.blocks if b.just_copied} == {d for _, d in copies}
-    assert snap.blocks[0].state == SHARED and snap.blocks[0].ref_cnt == 3
-    assert snap.blocks[1].state == HELD and snap.blocks[1].owners == ("2_r0",)  # the last keeps it
+    assert snap.blocks[1].state == SHARED and snap.blocks[1].ref_cnt == 3
+    assert snap.blocks[2].state == HELD and snap.blocks[2].owners == ("2_r0",)  # the last keeps it
     assert snap.stats["num_cow_copies"] == 2
     assert_matches_engine(snap, llm)
 
@@ -170,26 +181,27 @@ def test_fork_shares_blocks_then_copy_on_write_marks_the_copies(text_ids):
 
 
 def test_prefix_hits_and_evictions_appear_as_they_happen(text_ids):
-    # 8 blocks of 4 with prefix caching.
+    # 8 usable blocks of 4 (1..8; block 0 is the null block) with prefix caching.
     llm = LLM(block_size=4, kv_cache_tokens=32, max_model_len=32, enable_prefix_caching=True)
     ex = EngineExplorer(llm, max_tokens=2)
     ex.add_request(text_ids[:10])
     snap = ex.run_to_end()
     # r0's two full blocks keep their keys after it ends: cached, free; its third block does not.
     assert snap.count(CACHED) == 2 and snap.count(FREE) == 6
-    assert [b.state for b in snap.blocks[:3]] == [CACHED, CACHED, FREE]
+    assert [b.state for b in snap.blocks[:4]] == [NULL, CACHED, CACHED, FREE]
     assert_no_blocks_held(llm)
 
-    # An unrelated 26-token prompt needs 7 blocks: the free queue's head is 3..7, then r0's
-    # blocks in the order they were freed (last first): 2, then 1, whose key is evicted.
+    # An unrelated 26-token prompt needs 7 blocks: the free queue is r0's unkeyed block 3 (at
+    # the head), the never-used 4..8, then r0's keyed blocks in the order they were freed (last
+    # first): 2, whose key is evicted, then 1.
     ex.add_request(text_ids[100:126], params=SamplingParams(max_tokens=1, ignore_eos=True))
     snap = ex.step()
     evicted = [e for e in snap.events if e.kind == "evicted"]
-    assert len(evicted) == 1 and evicted[0].detail.startswith("block 1, key ")
+    assert len(evicted) == 1 and evicted[0].detail.startswith("block 2, key ")
     assert not any(e.kind == "prefix_hit" for e in snap.events)
-    assert snap.blocks[0].state == CACHED  # r0's first block survives
+    assert snap.blocks[1].state == CACHED  # r0's first block survives
 
-    # r0's prompt again: only block 0 is still found (the chain breaks at block 1).
+    # r0's prompt again: only block 1 is still found (the chain breaks at block 2).
     ex.add_request(text_ids[:10])
     snap = ex.step()
     hits = [e for e in snap.events if e.kind == "prefix_hit"]
@@ -219,6 +231,33 @@ def test_reset_gives_every_block_back_and_salted_prompts_are_added(text_ids):
     assert snap.running == snap.waiting == [] and snap.count(HELD) + snap.count(SHARED) == 0
     assert_no_blocks_held(llm)
     assert_matches_engine(snap, llm)
+
+
+def test_block_0_is_the_null_block_drawn_black_and_named_in_the_legend(text_ids):
+    """vLLM's null block (block 0, BlockPool.null_block in vllm/v1/core/block_pool.py) is never
+    handed out: the snapshot shows it in a state of its own from the start, the picture draws it
+    black and counts it in no state of the title, and the legend says what it is."""
+    llm = LLM(block_size=4, kv_cache_tokens=32, max_model_len=32)
+    ex = EngineExplorer(llm, max_tokens=2)
+    snap = ex.snap  # before any request
+    assert [(b.block_id, b.is_null) for b in snap.blocks if b.state == NULL] == [(0, True)]
+    assert snap.count(FREE) == llm.stats()["num_usable_blocks"] == len(snap.blocks) - 1 == 8
+    ex.add_request(text_ids[:6])
+    snap = ex.step()
+    null = snap.blocks[0]
+    assert (null.state, null.ref_cnt, null.owners, null.key) == (NULL, 0, (), None)
+    assert snap.block_tables == {"r0": [1, 2]}  # handed out from block 1
+    assert_matches_engine(snap, llm)
+    fig = draw_snapshot(snap)
+    pool = fig.axes[0]
+    cells = [p for p in pool.patches if p.get_gid() == "block-0"]
+    assert len(cells) == 1 and matplotlib.colors.same_color(cells[0].get_facecolor(), "black")
+    assert pool.get_title().endswith(": 2 held, 6 free")  # 8 usable blocks; block 0 in neither
+    labels = _legend_labels(fig)
+    assert labels[2] == "block 0: vLLM's null block, never handed out"  # after free and held
+    assert sum("null" in label for label in labels) == 1
+    ex.run_to_end()
+    assert_no_blocks_held(llm)
 
 
 def handmade_snapshot() -> EngineSnapshot:
@@ -298,7 +337,9 @@ def test_drawing_an_old_snapshot_reads_nothing_from_the_engine(text_ids):
     ex.run_to_end()  # the engine moves on; the old snapshot must still draw step 1
     fig = draw_snapshot(old)
     assert "after step 1" in fig.axes[0].get_title() and "3 held" in fig.axes[0].get_title()
-    assert len([p for p in fig.axes[0].patches if (p.get_gid() or "").startswith("block-")]) == 16
+    # One cell per block: the 16 usable ones and block 0, the null block.
+    assert len([p for p in fig.axes[0].patches
+                if (p.get_gid() or "").startswith("block-")]) == 16 + 1
     plt.close(fig)
     # snapshot() without the step's SchedulerOutput: no budget, no step events.
     bare = snapshot(llm.llm_engine)

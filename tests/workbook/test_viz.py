@@ -30,7 +30,8 @@ def test_figures_draw():
     assert "a:" in viz.format_block_tables({"a": m.get_block_ids("a")})
     m.fork("a", "b")
     refs = [b.ref_cnt for b in m.block_pool.blocks]
-    assert "[0(x2), 1(x2)]" in viz.format_block_tables({"b": m.get_block_ids("b")}, ref_cnts=refs)
+    # a's blocks are 1 and 2: block 0 is vLLM's null block, never handed out.
+    assert "[1(x2), 2(x2)]" in viz.format_block_tables({"b": m.get_block_ids("b")}, ref_cnts=refs)
     rows = [{"kind": "beam", "prompt_len": 32, "k": k, "saved": 0.1 * k} for k in (2, 4)]
     for fig in (viz.plot_blocks_per_step({"x": [1, 3, 2]}), viz.plot_cow_savings(rows)):
         assert fig.axes

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from kvlab.workbook import viz  # noqa: E402
-from kvlab.kv_cache import KVCacheManager  # noqa: E402
+from kvlab.kv_cache import NULL_BLOCK_OWNER, KVCacheManager  # noqa: E402
 
 
 def test_memory_map_names_its_states_and_gives_16_requests_16_colours():
@@ -40,21 +40,48 @@ def test_the_three_wastes_are_three_different_marks():
     for a region) are each counted by the manager and drawn with a look of their own."""
     from kvlab.kv_cache import ContiguousKVCacheManager
 
-    m = ContiguousKVCacheManager(num_blocks=14, block_size=4, max_model_len=16)
+    # Block 0 + 14 usable, as chapter 01: block 0 is vLLM's null block, so A, B and C take the
+    # 16-slot regions 1-4, 5-8 and 9-12, and 13-14 are left in a gap too short for a region.
+    m = ContiguousKVCacheManager(num_blocks=15, block_size=4, max_model_len=16)
     now, end = {"A": 5, "B": 9, "C": 2}, {"A": 9, "B": 12, "C": 15}
     for rid, n in now.items():
         assert m.allocate_slots(rid, n)
     mm = m.memory_map(now, end)
+    assert [b for b, (o, *_) in enumerate(mm) if o == NULL_BLOCK_OWNER] == [0]
     filled, reserved = sum(f for _, f, _ in mm), sum(r for _, _, r in mm)
-    held = sum(4 for o, *_ in mm if o is not None)
+    held = sum(4 for o, *_ in mm if o not in (None, NULL_BLOCK_OWNER))  # the null block: no one's
     assert (filled, reserved, held - filled - reserved) == (16, 20, 12)
-    assert m.unusable_free_blocks() == {12, 13} and m.usable_free_slots() == 0
-    ax = viz.draw_memory_map(mm, 4, "contiguous", columns=14,
+    assert m.unusable_free_blocks() == {13, 14} and m.usable_free_slots() == 0
+    ax = viz.draw_memory_map(mm, 4, "contiguous", columns=15,
                              unusable_free=m.unusable_free_blocks())
     looks = {(p.get_hatch(), round(p.get_facecolor()[3], 2)) for p in ax.patches}
     assert {("////", 0.35), ("..", 0.08)} <= looks  # reserved and internal waste differ
     greys = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("0.82")]
     assert len(greys) == 2  # the two unusable free blocks, drawn apart from the usable ones
+    plt.close(ax.figure)
+
+
+def test_the_null_block_is_drawn_black_and_left_out_of_the_slots():
+    """Block 0, vLLM's null block, is never handed out: draw_memory_map draws it black, names
+    it in the state legend, and counts its slots neither held nor in the pool's total."""
+    m = KVCacheManager(num_blocks=8, block_size=4, max_model_len=16)
+    assert m.allocate_slots("a", 6)
+    assert m.get_block_ids("a") == [1, 2]
+    mm = m.memory_map({"a": 6})
+    assert mm[0] == (NULL_BLOCK_OWNER, 0, 0)
+    ax = viz.draw_memory_map(mm, 4, "paged", columns=8)
+    black = [p for p in ax.patches if matplotlib.colors.same_color(p.get_facecolor(), "black")]
+    assert len(black) == 1 and black[0].get_xy() == (0, 0)  # block 0: the one row's first
+    # 7 usable blocks of 4: 28 slots, not 32; a's 6 tokens in its 2 blocks' 8 slots.
+    assert ax.get_title() == "paged: 1 requests, 6 tokens in 8 held slots of 28"
+    legends = [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]
+    states = next(lg for lg in legends if "free" in {t.get_text() for t in lg.get_texts()})
+    null = [(t.get_text(), h) for t, h in zip(states.get_texts(), states.legend_handles)
+            if "null" in t.get_text()]
+    assert [text for text, _ in null] == ["block 0: vLLM's null block"]
+    assert matplotlib.colors.same_color(null[0][1].get_facecolor(), "black")
+    requests = next(lg for lg in legends if lg is not states)
+    assert [t.get_text() for t in requests.get_texts()] == ["a"]  # no request called "null"
     plt.close(ax.figure)
 
 

@@ -66,22 +66,24 @@ def admit(m, req):
 
 
 def test_free_queue_snapshot_reads_head_first_and_names_keys():
-    m = KVCacheManager(6, 2, 32, enable_prefix_caching=True)
+    # Chapter 05's pool: block 0 + 6 usable (1..6). Block 0 is vLLM's null block, never free
+    # and never in use, so no reading lists it.
+    m = KVCacheManager(7, 2, 32, enable_prefix_caching=True)
     a = request("a", range(10, 18))  # 4 full blocks
     admit(m, a)
     names = {h: f"a{i}" for i, h in enumerate(a.block_hashes)}
     running = viz.free_queue_snapshot(m.block_pool, "a runs", names)
     m.free("a")
     done = viz.free_queue_snapshot(m.block_pool, "a finished", names)
-    assert running == {"label": "a runs", "queue": [4, 5], "in_use": [0, 1, 2, 3],
-                       "keys": {0: "a0", 1: "a1", 2: "a2", 3: "a3"}}
+    assert running == {"label": "a runs", "queue": [5, 6], "in_use": [1, 2, 3, 4],
+                       "keys": {1: "a0", 2: "a1", 3: "a2", 4: "a3"}}
     # Freed last block first: a's tail sits nearest the head, behind the never-used blocks.
-    assert done["queue"] == [4, 5, 3, 2, 1, 0] and done["in_use"] == []
-    assert viz.free_queue_snapshot(m.block_pool, "x")["keys"][0] == "key"  # no name given
+    assert done["queue"] == [5, 6, 4, 3, 2, 1] and done["in_use"] == []
+    assert viz.free_queue_snapshot(m.block_pool, "x")["keys"][1] == "key"  # no name given
 
     ax = viz.draw_free_queue([running, done])
     drawn = texts(ax)
-    assert "a runs" in drawn and "a finished" in drawn and "3\na3" in drawn and "4" in drawn
-    # One box per queued or used block in each row: 2 + 4, then 6 + 0.
-    assert len(ax.patches) == 12
+    assert "a runs" in drawn and "a finished" in drawn and "4\na3" in drawn and "5" in drawn
+    # One box per queued or used block in each row: 2 + 4, then 6 + 0 (the null block in none).
+    assert len(ax.patches) == (2 + 4) + (6 + 0)
     plt.close(ax.figure)

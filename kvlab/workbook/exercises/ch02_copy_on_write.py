@@ -115,7 +115,8 @@ class _ForkManager(KVCacheManager):
 
 # n=3 samples of two prompts: the prompt is computed once and forked; the samples then write
 # into the shared, partly filled last block, which copy-on-write separates.
-_ENGINE = dict(block_size=4, max_model_len=64, kv_cache_tokens=256)
+# Fork by name: kvlab's default, as vLLM v1's, is child requests, which never fork.
+_ENGINE = dict(block_size=4, max_model_len=64, kv_cache_tokens=256, parallel_sampling="fork")
 
 
 def _batches():

@@ -16,7 +16,8 @@ from kvlab.sampling import RequestOutputKind, SamplingParams
 
 
 SAMPLES = dict(prompt_len=40, n=6, max_tokens=20)
-FORK_POOL = dict(block_size=16, max_model_len=64)
+# Fork by name: kvlab's default, as vLLM v1's, is child requests.
+FORK_POOL = dict(block_size=16, max_model_len=64, parallel_sampling="fork")
 
 
 def fork_pool_for(prompt_len, n, max_tokens, block_size):
@@ -33,9 +34,10 @@ def fork_pool_for(prompt_len, n, max_tokens, block_size):
 
 FORK_POOL_STUB = '''def fork_pool_for(prompt_len, n, max_tokens, block_size):
     """Return the smallest kv_cache_tokens in which SamplingParams(n=n, max_tokens=max_tokens)
-    on one prompt_len-token prompt runs to its end, forked (kvlab's default), with nothing
-    preempted. The check runs 6 samples of a 40-token prompt on the real model with your pool:
-    a pool too small preempts, and one more than 10% above the smallest that works fails."""
+    on one prompt_len-token prompt runs to its end, forked (parallel_sampling="fork"), with
+    nothing preempted. The check runs 6 samples of a 40-token prompt on the real model with
+    your pool: a pool too small preempts, and one more than 10% above the smallest that works
+    fails."""
     raise NotImplementedError("your turn")
 '''
 

@@ -273,7 +273,10 @@ EXERCISE = Exercise(
 
 
 # ---- challenge: a precision and a pool for a workload -------------------------------------------
-CHALLENGE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
+# The float32 model's choices: a bfloat16 cache is not one (vLLM refuses a float16/bfloat16
+# kv_cache_dtype unlike the model's dtype: VllmConfig._reject_mismatched_float_kv_cache in
+# vllm/config/vllm.py, and so does kvlab).
+CHALLENGE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
                     "int8_per_token_head", "int4_per_token_head")
 BURST = dict(num_requests=16, prompt_len=68, output_len=32, block_size=16)
 MAX_KL = 2e-3  # nats; measured here: int8_per_token_head ~8e-4, fp8_per_token_head ~5e-3
@@ -286,8 +289,9 @@ def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
     allowed = [d for d, kl in kl_by_dtype.items() if kl <= max_kl]
     # Of those, the densest: the fewest bytes per token (scales included).
     dtype = min(allowed, key=lambda d: bytes_per_token[d])
-    # A request ends holding whole blocks: the pool must hold every request's blocks at once.
-    blocks = num_requests * -(-request_len // block_size)
+    # A request ends holding whole blocks: the pool must hold every request's blocks at once,
+    # and block 0, vLLM's null block, which is never handed out.
+    blocks = num_requests * -(-request_len // block_size) + 1
     return {"kv_cache_dtype": dtype,
             "kv_cache_memory_bytes": blocks * block_size * bytes_per_token[dtype]}
 
@@ -319,14 +323,14 @@ def _challenge_choice(impl, **workload) -> tuple[str, int]:
 
 
 # Bytes per token of SmolLM2-135M (30 layers, 3 KV heads of 64) at each precision.
-_BPT = {"auto": 46080, "bfloat16": 23040, "fp8_e4m3": 11520, "fp8_e5m2": 11520,
+_BPT = {"auto": 46080, "fp8_e4m3": 11520, "fp8_e5m2": 11520,
         "fp8_per_token_head": 12240, "int8_per_token_head": 12240,
         "int4_per_token_head": 6480}
 
 
 def _challenge_arithmetic(impl) -> None:
     """Other workloads and bounds, with made-up KLs (so that a constant cannot pass)."""
-    kls = {"auto": 0.0, "bfloat16": 1e-5, "fp8_e4m3": 3e-3, "fp8_e5m2": 2e-2,
+    kls = {"auto": 0.0, "fp8_e4m3": 3e-3, "fp8_e5m2": 2e-2,
            "fp8_per_token_head": 8e-4, "int8_per_token_head": 1e-4,
            "int4_per_token_head": 5e-2}
     for n, length, bs, bound in [(8, 100, 16, 1e-3), (4, 64, 16, 1e-1), (10, 33, 8, 1e-5),
@@ -335,15 +339,16 @@ def _challenge_arithmetic(impl) -> None:
                     kl_by_dtype=dict(kls), bytes_per_token=dict(_BPT))
         dtype, nbytes = _challenge_choice(impl, **work)
         best = choose_kv_cache(**work)
-        need = n * -(-length // bs) * bs * _BPT[dtype]
+        need = (n * -(-length // bs) + 1) * bs * _BPT[dtype]  # + the null block
         where = f"{n} requests of {length} tokens, blocks of {bs}, max_kl {bound:g}"
         if kls[dtype] > bound:
             raise Mismatch(f"a precision within max_kl ({where})",
                            f"{dtype}, whose KL is {kls[dtype]:g}")
         if nbytes < need:
             raise Mismatch(f"at least {need:,} bytes at {dtype} ({where}): every request's "
-                           "whole blocks at once", f"{nbytes:,}",
-                           "a request's last block is whole even when half full")
+                           "whole blocks at once, and block 0", f"{nbytes:,}",
+                           "a request's last block is whole even when half full, and block 0 "
+                           "(the null block) is never handed out")
         if nbytes > 1.25 * best["kv_cache_memory_bytes"]:
             raise Mismatch(f"at most 25% over the fewest bytes, {best['kv_cache_memory_bytes']:,}"
                            f" at {best['kv_cache_dtype']} ({where})", f"{nbytes:,} at {dtype}")
@@ -425,9 +430,9 @@ CHALLENGE = Exercise(
         "Choose kv_cache_dtype and kv_cache_memory_bytes for a burst that must run at once "
         "within an accuracy bound, in as few bytes as you can. Your function gets the KL and "
         "the bytes per token of every precision, measured as this chapter measures them; "
-        "within the bound means at most max_kl. Two more facts: the pool is counted in whole "
+        "within the bound means at most max_kl. Three more facts: the pool is counted in whole "
         "blocks (`kv_cache_memory_bytes` is rounded down to whole blocks of the chosen "
-        "precision), and a request of p prompt tokens that generates N holds K/V for p + N - 1 "
+        "precision), block 0 of them is vLLM's null block, never handed out, and a request of p prompt tokens that generates N holds K/V for p + N - 1 "
         "tokens (chapter 00); the check measures the KLs again, on three of the texts, and they "
         "may differ a little from yours, so a precision right at the bound can land either side "
         "of it. The check "
@@ -446,12 +451,13 @@ CHALLENGE = Exercise(
     hint=(
         "First drop every precision whose KL is over max_kl. Of the rest, take the one with the "
         "fewest bytes per token. Then size the pool in whole blocks: "
-        "num_requests * ceil(request_len / block_size) * block_size tokens."
+        "num_requests * ceil(request_len / block_size) blocks, plus one for block 0 (the null "
+        "block), of block_size tokens each."
     ),
     solution=choose_kv_cache,
     cases=[
         Case("five other workloads and bounds, by the arithmetic", _challenge_arithmetic,
-             "Filter by the bound, then the fewest bytes, then whole blocks."),
+             "Filter by the bound, then the fewest bytes, then whole blocks and the null block."),
         Case(f"real model: {BURST['num_requests']} requests of {BURST['prompt_len']} + "
              f"{BURST['output_len']} tokens, KL within {MAX_KL:g}, yours beside the best",
              _challenge_measured, "Compare the KL, preemptions and bytes printed above.",
