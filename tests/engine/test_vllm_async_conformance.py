@@ -45,7 +45,8 @@ from collections import deque
 
 import pytest
 
-from tests.engine.vllm_adapter import create_requests, create_scheduler, runner_output
+from tests.engine.vllm_adapter import (check_not_ported, create_requests, create_scheduler,
+                                      runner_output)
 
 from kvlab.outputs import ModelRunnerOutput  # noqa: E402
 from kvlab.request import RequestStatus  # noqa: E402
@@ -71,6 +72,18 @@ def _batch_index_output(out) -> ModelRunnerOutput:
     assert set(mro.sampled_token_ids) == set(out.num_scheduled_tokens), (
         "a partial prefill in a test that expects none", out.num_scheduled_tokens)
     return mro
+
+
+def _run_with_steps_in_flight(scheduler, depth: int) -> None:
+    """Schedule `depth` steps, then read the oldest and schedule one more, until nothing is
+    left in flight (vLLM's tests drive their schedulers this way, as its engine core does)."""
+    in_flight: deque[SchedulerOutput] = deque(scheduler.schedule() for _ in range(depth))
+    while in_flight:
+        out = in_flight.popleft()
+        scheduler.update_from_output(out, _batch_index_output(out))
+        out = scheduler.schedule()
+        if out.num_scheduled_tokens:
+            in_flight.append(out)
 
 
 def _abort_in_order(requests) -> None:
@@ -221,16 +234,7 @@ def test_prefix_caching_for_multi_turn():
 
     for req in requests:
         scheduler.add_request(req)
-    in_flight: deque[SchedulerOutput] = deque()
-    in_flight.append(scheduler.schedule())
-    in_flight.append(scheduler.schedule())
-
-    while in_flight:
-        out = in_flight.popleft()
-        scheduler.update_from_output(out, _batch_index_output(out))
-        out = scheduler.schedule()
-        if out.num_scheduled_tokens:
-            in_flight.append(out)
+    _run_with_steps_in_flight(scheduler, 2)
     assert _num_unfinished(scheduler) == 0
 
     # Next-turn requests: the prompt is the previous turn's prompt and output.
@@ -247,7 +251,6 @@ def test_prefix_caching_for_multi_turn():
     for req in next_turn_requests:
         scheduler.add_request(req)
     out = scheduler.schedule()
-    in_flight.append(out)
 
     # Each hits the previous turn's cached blocks.
     for req in next_turn_requests:
@@ -387,15 +390,7 @@ def test_src_async_stop_keys_the_blocks_its_last_step_completed():
                                      block_size=BLOCK_SIZE)
         (req,) = create_requests(num_requests=1, num_tokens=100, max_tokens=13)
         scheduler.add_request(req)
-        in_flight: deque[SchedulerOutput] = deque([scheduler.schedule()])
-        if async_scheduling:
-            in_flight.append(scheduler.schedule())
-        while in_flight:
-            out = in_flight.popleft()
-            scheduler.update_from_output(out, _batch_index_output(out))
-            out = scheduler.schedule()
-            if out.num_scheduled_tokens:
-                in_flight.append(out)
+        _run_with_steps_in_flight(scheduler, 2 if async_scheduling else 1)
         assert req.is_finished and len(req.output_token_ids) == 13
 
         (next_turn,) = create_requests(num_requests=1, num_tokens=113, max_tokens=13)
@@ -486,9 +481,4 @@ NOT_PORTED = (
 
 def test_not_ported_names_are_not_defined_as_tests():
     """A vLLM test is either ported (a test of that name here) or listed in NOT_PORTED."""
-    names = [name for name, _, _ in NOT_PORTED]
-    assert len(names) == len(set(names)), "duplicate NOT_PORTED entries"
-    defined = {name for name, obj in globals().items() if name.startswith("test_") and
-               callable(obj)}
-    assert not set(names) & defined, sorted(set(names) & defined)
-    assert all(reason for _, _, reason in NOT_PORTED)
+    check_not_ported(NOT_PORTED, globals())

@@ -30,6 +30,7 @@ import pytest
 
 from tests.engine.vllm_adapter import (
     EOS_TOKEN_ID,
+    check_not_ported,
     SchedulerAdapter,
     allocate_slots,
     append_output_token_ids,
@@ -1820,9 +1821,4 @@ NOT_PORTED = (
 
 def test_not_ported_names_are_not_defined_as_tests():
     """A vLLM test is either ported (a test of that name here) or listed in NOT_PORTED."""
-    names = [name for name, _, _ in NOT_PORTED]
-    assert len(names) == len(set(names)), "duplicate NOT_PORTED entries"
-    defined = {name for name, obj in globals().items() if name.startswith("test_") and
-               callable(obj)}
-    assert not set(names) & defined, sorted(set(names) & defined)
-    assert all(reason for _, _, reason in NOT_PORTED)
+    check_not_ported(NOT_PORTED, globals())

@@ -276,3 +276,14 @@ class SchedulerAdapter:
             if request.is_finished:
                 self.sent_tables.pop(request.request_id, None)
         return result
+
+
+def check_not_ported(not_ported, namespace: dict) -> None:
+    """A vLLM test is either ported (a test of that name in `namespace`, a test module's
+    globals) or listed, once and with a reason, in `not_ported` (name, file, reason)."""
+    names = [name for name, _, _ in not_ported]
+    assert len(names) == len(set(names)), "duplicate NOT_PORTED entries"
+    defined = {name for name, obj in namespace.items() if name.startswith("test_")
+               and callable(obj)}
+    assert not set(names) & defined, sorted(set(names) & defined)
+    assert all(reason for _, _, reason in not_ported)
