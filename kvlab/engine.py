@@ -130,6 +130,7 @@ class LLMEngine:
         self.num_steps = 0  # steps that ran the model and were read
         # Steps scheduled and run whose result is not read yet, newest first (async scheduling).
         self.batch_queue: collections.deque = collections.deque()
+        self.step_forward_time = 0.0  # the forward time of the step read last
         # Who hears of each step (kvlab/step_log.py): the engine's own record first.
         self.step_log = StepLog()
         self.observers: list[StepObserver] = [self.step_log]
@@ -353,16 +354,22 @@ class LLMEngine:
             self.drain_kv_events()
             return False
         model_output = self._execute_model(scheduler_output)
-        self.batch_queue.appendleft((scheduler_output, model_output, start))
+        # This step's own time (schedule and forward), kept for when it is read: under async
+        # scheduling the next step's forward runs in between, and is not this step's.
+        self.batch_queue.appendleft((scheduler_output, model_output, time.perf_counter() - start,
+                                     self.model_runner.last_forward_time))
         return True
 
     def _read_oldest_step(self, drain: bool = True) -> list[RequestOutput]:
         """Read the oldest step in flight: append its tokens, check stops, free what finished.
         With `drain`, then the steps left in flight if no request is left to read them for."""
-        scheduler_output, model_output, start = self.batch_queue.pop()
+        scheduler_output, model_output, run_s, forward_s = self.batch_queue.pop()
+        read_start = time.perf_counter()
         touched = self.scheduler.update_from_output(scheduler_output, model_output)
         self._finish_at_stop_strings(touched)
-        self._end_step(scheduler_output, start)
+        # The observers time the step from `start`: its schedule and forward, then its update.
+        self.step_forward_time = forward_s
+        self._end_step(scheduler_output, read_start - run_s)
         outputs = self._make_outputs(touched)
         return outputs + self._drain_dead_steps() if drain else outputs
 

@@ -10,8 +10,11 @@ watches it (plots, the tests, the workbook's explorer and exercises) hangs off t
 
 - `on_schedule(engine, scheduler_output)`: after every `Scheduler.schedule()`, a step that
   schedules nothing included, before the model runs;
-- `on_step(engine, scheduler_output, start)`: after a step that ran the model, once the requests
-  have advanced and stop strings have ended theirs (`engine.num_steps` counts it already);
+- `on_step(engine, scheduler_output, start)`: after a step that ran the model, once its result
+  is read: the requests have advanced and stop strings have ended theirs (`engine.num_steps`
+  counts it already); `time.perf_counter() - start` is the step's own schedule, forward and
+  update (under async scheduling the next step ran between its forward and its update, and is
+  left out), `engine.step_forward_time` its forward;
 - `on_kv_events(engine, events)`: the block pool's KV cache events since the last delivery,
   oldest first, delivered before a step schedules (what aborts and resets did), after each step,
   and after `reset_prefix_cache`; `engine.num_steps` then is the step they belong to.
@@ -76,7 +79,7 @@ class StepLog(StepObserver):
             num_cached_tokens=sum(r.num_computed_tokens for r in running),
             num_cow_copies=len(scheduler_output.cow_copies),
             step_time=time.perf_counter() - start,
-            forward_time=engine.model_runner.last_forward_time,
+            forward_time=engine.step_forward_time,  # this step's, not the last one run
         ))
 
     def on_kv_events(self, engine, events: list[KVCacheEvent]) -> None:

@@ -651,7 +651,7 @@ def test_an_exception_is_reported_with_the_participants_traceback_only():
 def test_exceptions_inside_the_engine_and_system_exit_are_caught():
     class ExitsInEngine(AltBlockPool):
         def get_new_blocks(self, num_blocks):
-            if len(self.refs) == 12:  # only the engine's pool is this big: the fast cases pass
+            if len(self.refs) == 13:  # only the engine's pool (12 + the null block) is this big
                 raise SystemExit("bye")
             return super().get_new_blocks(num_blocks)
 

@@ -241,6 +241,7 @@ class _ParticipantScheduler(Scheduler):
                            f"{self.config.max_num_batched_tokens - budget} tokens, "
                            f"{len(self.running)} running")
         self.finish_output(out)
+        self._update_after_schedule(out)  # the requests advance as kvlab's schedule() does
         return out
 
 
