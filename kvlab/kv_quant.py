@@ -35,8 +35,8 @@ Where kvlab differs from vLLM:
   k_scale/v_scale from a checkpoint and uses 1.0 when there are none (with a warning:
   `vllm/model_executor/layers/quantization/kv_cache.py`).
 - vLLM requires an explicit float16/bfloat16 kv_cache_dtype to match the model's dtype
-  (`vllm/config/cache.py`); kvlab stores bfloat16 K/V beside fp32 weights too (the CPU default),
-  which is how a CPU measures what bf16 storage costs in accuracy.
+  (`VllmConfig._reject_mismatched_float_kv_cache`, `vllm/config/vllm.py`), and so does kvlab
+  (`check_float_kv_cache_dtype`): bf16 K/V comes with a bf16 model.
 - vLLM's CPU backend (`vllm/v1/attention/backends/cpu_attn.py`) takes auto, float16, bfloat16
   and the fp8 names, those only on AVX-512 or AMX, no per-token-head mode; here every mode runs
   on any CPU, in plain torch.

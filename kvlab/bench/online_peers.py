@@ -128,8 +128,8 @@ def make_text_prompts(num: int, words: int = 96, tag: str = "Request") -> list[s
     Text, not token ids: transformers serve's /v1/completions takes a string only; both servers
     tokenise it with the same tokenizer. Each prompt starts with its own `tag` and number, so no
     two share a first block: transformers' continuous batching shares cached prefix blocks
-    (`allow_block_sharing`, on by default, no `transformers serve` flag) and kvlab serve runs
-    without a prefix cache, so a shared prefix would favour one side."""
+    (`allow_block_sharing`, on by default, no `transformers serve` flag) and so does kvlab serve
+    (vLLM's default), so no prompt finds another's blocks on either side."""
     base = (BENCH_TEXT * (words // 20 + 4)).split()
     return [f"{tag} {i}: " + " ".join(base[(7 * i) % 40:(7 * i) % 40 + words])
             for i in range(num)]
@@ -200,7 +200,7 @@ class ServerSpec:
 
 
 def kvlab_spec(port: int, model: str | None = None) -> ServerSpec:
-    """`kvlab serve` with its defaults (no prefix cache: the prompts share nothing anyway)."""
+    """`kvlab serve` with its defaults (vLLM's: prefix cache on; the prompts share nothing)."""
     argv = [sys.executable, "-m", "kvlab.serve.cli", "serve", *([model] if model else []),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "kvlab"]
     return ServerSpec("kvlab serve", port, argv, "kvlab", {"ignore_eos": True})
