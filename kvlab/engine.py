@@ -332,15 +332,14 @@ class LLMEngine:
         chapter 02's groups run) each call schedules, runs and reads one step: EngineCore.step.
         """
         self.drain_kv_events()  # what aborts and resets did since the last step
-        if not (self.config.async_scheduling and self.scheduler.can_run_ahead()):
-            if self.batch_queue:  # leaving the async loop: read what is in flight first
-                return self._read_oldest_step()
-            if not self._schedule_and_run():
-                return []
-            return self._read_oldest_step()
-        if self.scheduler.has_unfinished_requests() and self._schedule_and_run():
-            if len(self.batch_queue) < MAX_CONCURRENT_BATCHES:
-                return []  # fill the queue before waiting on a result
+        # The synchronous loop is the same loop with one step in flight at most; leaving the
+        # async loop (a fork group arrived) first reads what is in flight.
+        run_ahead = self.config.async_scheduling and self.scheduler.can_run_ahead()
+        depth = MAX_CONCURRENT_BATCHES if run_ahead else 1
+        if (len(self.batch_queue) < depth
+                and (not run_ahead or self.scheduler.has_unfinished_requests())
+                and self._schedule_and_run() and len(self.batch_queue) < depth):
+            return []  # fill the queue before waiting on a result
         if not self.batch_queue:
             return []
         return self._read_oldest_step()
