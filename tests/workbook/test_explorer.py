@@ -315,7 +315,8 @@ def test_the_picture_is_drawn_from_the_snapshot_alone():
     bars = {p.get_gid(): p.get_width() for p in budget.patches}
     assert bars == {"budget-decode": 2, "budget-prefill": 9, "budget-unused": 5}
     lines = {t.get_text(): t for t in text.texts}
-    assert set(format_queues(snap).splitlines()) <= set(lines)  # short lines: not wrapped
+    shown = " ".join(" ".join(t.get_text().split()) for t in text.texts)  # wrapped lines joined
+    assert all(" ".join(q.split()) in shown for q in format_queues(snap).splitlines())
     # Each block table is written in its request's colour: the picture's legend for requests.
     a_line, b_line = (next(t for k, t in lines.items() if k.strip().startswith(f"{r}:"))
                       for r in "ab")
@@ -543,4 +544,27 @@ def test_the_explorer_reads_from_the_back_of_a_room():
                        if (p.get_gid() or "").startswith("block-"))
     legend_top = pool.get_legend().get_window_extent(renderer).y1
     assert 0 <= lowest_block - legend_top < 0.6 * block_height
+    plt.close(fig)
+
+
+def test_the_picture_reads_on_a_projector():
+    """No text under FONT_PT (14 px at the notebook's 100 dpi), each held block names its owner
+    (two near colours are told apart by more than hue), and the budget bar takes a thin line,
+    not a panel: most of the picture is the pool and the text."""
+    from matplotlib.text import Text
+
+    from kvlab.workbook.viz.snapshot import FONT_PT
+
+    snap = handmade_snapshot()
+    fig = draw_snapshot(snap)
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_text().strip()]
+    sizes += [tick.label1.get_fontsize() for ax in fig.axes
+              for tick in ax.xaxis.get_major_ticks() if ax.xaxis.get_visible()]
+    assert min(sizes) >= FONT_PT >= 10
+    pool, budget, _ = fig.axes
+    owners = {t.get_gid(): t.get_text() for t in pool.texts if (t.get_gid() or "").startswith("owner-")}
+    assert owners == {"owner-1": "a", "owner-2": "b"}  # the held blocks; shared shows "x2"
+    fig.canvas.draw()
+    height = lambda ax: ax.get_window_extent().height  # noqa: E731
+    assert height(budget) < 0.1 * fig.bbox.height
     plt.close(fig)

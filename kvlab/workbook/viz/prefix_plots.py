@@ -65,7 +65,7 @@ def plot_ttft_attack(result: dict, ax=None, same_scale_as: dict | None = None):
     trials = len(result["rows"])  # one row a trial: the count the rate comes from
     ax.set_title(f"{salted}: B right in {round(result['accuracy'] * trials)} of {trials} trials",
                  fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
     return ax
 
@@ -90,7 +90,7 @@ def plot_cold_warm_ttft(runs: list[dict], ax=None):
             top = value if err is None else max(value, hi)  # above the whisker, if any
             ax.annotate(f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms", (i + dx, top),
                         xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
-                        fontsize=8)
+                        fontsize=9)
     ax.set_xticks(range(len(runs)), [
         f"{'caching on' if r['enable_prefix_caching'] else 'caching off'}\n"
         f"first / later = {r['speedup']:g}x" for r in runs])
@@ -102,7 +102,7 @@ def plot_cold_warm_ttft(runs: list[dict], ax=None):
     ax.set_title(f"{first['prefix_len']:,}-token shared prefix + {first['tail_len']}-token "
                  "tails", fontsize=9)
     # One entry a row: two of these long labels side by side are wider than the axes.
-    ax.legend(fontsize=8, loc="upper center", ncol=1)
+    ax.legend(fontsize=9, loc="upper center", ncol=1)
     ax.grid(alpha=0.3, axis="y")
     ax.figure.tight_layout()
     return ax
@@ -138,7 +138,7 @@ def plot_prefix_hits(cached_tokens: list[int], prompt_lens, ax=None):
     ax2.set_ylabel("hit rate so far (%)")
     ax.set_title(f"hit rate after {n} requests: {rate[-1]:.1f}%", fontsize=9)
     handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, fontsize=8, loc="upper left", ncol=3)
+    ax.legend(handles=handles, fontsize=9, loc="upper left", ncol=3)
     return ax
 
 
@@ -173,19 +173,19 @@ def draw_free_queue(snapshots: list[dict], ax=None):
             ax.add_patch(Rectangle((x, y + 0.1), 0.9, 0.8, fc=colour,
                                    alpha=1 if name is None else 0.45, ec="0.3", lw=0.8))
             ax.text(x + 0.45, y + 0.5, str(block_id) if name is None else f"{block_id}\n{name}",
-                    ha="center", va="center", fontsize=7)
+                    ha="center", va="center", fontsize=9)
         for k, block_id in enumerate(snap["in_use"]):
             x = width + gap + k
             ax.add_patch(Rectangle((x, y + 0.1), 0.9, 0.8, fc="0.75", ec="0.3", lw=0.8))
             name = snap["keys"].get(block_id)
             ax.text(x + 0.45, y + 0.5, str(block_id) if name is None else f"{block_id}\n{name}",
-                    ha="center", va="center", fontsize=7)
-        ax.text(-0.3, y + 0.5, snap["label"], ha="right", va="center", fontsize=8)
+                    ha="center", va="center", fontsize=9)
+        ax.text(-0.3, y + 0.5, snap["label"], ha="right", va="center", fontsize=9)
     top = len(snapshots)
     ax.annotate("head: reused first", xy=(0.2, top + 0.05), xytext=(0.2, top + 0.45),
-                fontsize=7, arrowprops={"arrowstyle": "->", "lw": 0.8})
-    ax.text(width - 0.1, top + 0.25, "tail", ha="right", fontsize=7)
-    ax.text(width + gap, top + 0.25, "in use (by block id)", fontsize=7)
+                fontsize=9, arrowprops={"arrowstyle": "->", "lw": 0.8})
+    ax.text(width - 0.1, top + 0.25, "tail", ha="right", fontsize=9)
+    ax.text(width + gap, top + 0.25, "in use (by block id)", fontsize=9)
     ax.set_xlim(-0.2, width + gap + max(len(s["in_use"]) for s in snapshots) + 0.2)
     ax.set_ylim(0, top + 0.8)
     ax.set_aspect("equal")
@@ -197,5 +197,5 @@ def draw_free_queue(snapshots: list[dict], ax=None):
     swatches += [Patch(fc="white", ec="0.3"), Patch(fc="0.75", ec="0.3")]
     labels += ["free, no prefix key", "in use by a request"]
     ax.legend(swatches, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
-              ncol=min(len(swatches), 4), fontsize=7.5, frameon=False)
+              ncol=min(len(swatches), 4), fontsize=9.5, frameon=False)
     return ax

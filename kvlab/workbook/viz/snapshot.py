@@ -21,6 +21,12 @@ SHARED_COLOUR = "#37474f"  # a shared block belongs to several requests: no one 
 DECODE_COLOUR, PREFILL_COLOUR = "black", "white"
 COPY_EDGE = "magenta"  # a copied block's edge: no request colour (axes._colour) is magenta
 MAX_EVENTS_DRAWN = 12
+# The smallest type in the picture, in points: at the 100 dpi the notebook draws at, 10 points
+# are 14 px, so the text stays above 12 px on a 1280x720 projector where JupyterLab shows the
+# picture at about nine tenths of its size (tests/workbook/test_browser.py measures it).
+FONT_PT = 10
+LINE_PT = 14  # the text lines' spacing
+LEFT_WRAP, RIGHT_WRAP, RIGHT_X = 66, 44, 0.62  # characters a line, and where the right column starts
 
 
 def format_queues(snap: EngineSnapshot) -> str:
@@ -53,11 +59,12 @@ def _ink_on(fill) -> str:
 
 
 def _text_lines(ax, x: float, lines: list[tuple[str, object]]) -> None:
-    """Monospace lines from the top of `ax`, each in its own colour, 11 points apart (8-point
-    type: read from the back of a room)."""
+    """Monospace lines from the top of `ax`, each in its own colour (FONT_PT type, LINE_PT
+    apart: read from the back of a room)."""
     for i, (line, colour) in enumerate(lines):
-        ax.text(x, 1, line, va="top", family="monospace", fontsize=8, color=colour,
-                transform=offset_copy(ax.transAxes, fig=ax.figure, y=-11 * i, units="points"))
+        ax.text(x, 1, line, va="top", family="monospace", fontsize=FONT_PT, color=colour,
+                transform=offset_copy(ax.transAxes, fig=ax.figure, y=-LINE_PT * i,
+                                      units="points"))
 
 
 def _legend_entries(snap: EngineSnapshot) -> tuple[list, list[str]]:
@@ -116,7 +123,7 @@ def draw_snapshot(snap: EngineSnapshot, title: str | None = None):
     _draw_budget(ax_budget, snap)
     ax_text.axis("off")
     _text_lines(ax_text, 0, left)
-    _text_lines(ax_text, 0.6, right)
+    _text_lines(ax_text, RIGHT_X, right)
     return fig
 
 
@@ -124,15 +131,16 @@ def _queue_and_table_lines(snap: EngineSnapshot) -> list[tuple[str, object]]:
     """The text's left column: the key to the queue lines, the queues, then the block tables,
     each in its request's colour."""
     black = "black"
-    left = [("a [k/n tokens in KV, i/m out]: K/V written for k of request a's n tokens;", "0.35"),
-            ("    i of its m new tokens made", "0.35")]
+    left = [("a [k/n tokens in KV, i/m out]: K/V written for k", "0.35"),
+            ("    of request a's n tokens; i of its m new tokens made", "0.35")]
     left += [(line, black) for q in format_queues(snap).splitlines()
-            for line in textwrap.wrap(q, 84, subsequent_indent="    ")]
+            for line in textwrap.wrap(q, LEFT_WRAP, subsequent_indent="    ")]
     left += [("", black), ("block tables (logical -> physical block):", black)]
     refs = [b.ref_cnt for b in snap.blocks]
     for rid, table in snap.block_tables.items():
-        left.append((format_block_tables({rid: table}, max_entries=16, ref_cnts=refs),
-                     _block_colour(snap, rid)))
+        text = format_block_tables({rid: table}, max_entries=16, ref_cnts=refs)
+        left += [(line, _block_colour(snap, rid))
+                 for line in textwrap.wrap(text, LEFT_WRAP, subsequent_indent="    ")]
     if not snap.block_tables:
         left.append(("(none)", black))
     return left
@@ -146,7 +154,7 @@ def _event_lines(snap: EngineSnapshot) -> list[tuple[str, object]]:
     if len(snap.events) > len(events):
         right.append((f"... {len(snap.events) - len(events)} earlier", black))
     right += [(line, black) for e in events
-              for line in textwrap.wrap(str(e), 56, subsequent_indent="    ")]
+              for line in textwrap.wrap(str(e), RIGHT_WRAP, subsequent_indent="    ")]
     if not events:
         right.append(("(none)", black))
     return right
@@ -157,12 +165,15 @@ def _layout(rows: int, columns: int, legend_entries: int, text_lines: int):
     the height of the legend's strip below the grid, in the grid's units (a block is one)."""
     small = columns == 16
     legend_rows = -(-legend_entries // 3)
-    # A legend row of 8.5-point type is about 0.18 inch, and a unit 0.42 or 0.27 inch.
-    strip = 0.3 + legend_rows * (0.45 if small else 0.7)
-    heights = [(rows + strip) * (0.42 if small else 0.27), 0.5, 0.155 * text_lines + 0.1]
-    fig = plt.figure(figsize=(10, sum(heights) + 0.9))
-    grid = fig.add_gridspec(3, 1, height_ratios=heights, hspace=0.5, left=0.02, right=0.98,
-                            top=0.94, bottom=0.02)
+    # A legend row of FONT_PT type is about 0.2 inch, and a unit 0.56 or 0.29 inch.
+    strip = 0.3 + legend_rows * (0.4 if small else 0.75)
+    # The budget bar is one thin line: it shows three numbers, so it gets a line's height,
+    # not a panel's (a third of the picture for a few tokens drew the eye away from the pool).
+    heights = [(rows + strip) * (0.56 if small else 0.29), 0.22,
+               LINE_PT / 72 * text_lines + 0.1]
+    fig = plt.figure(figsize=(10, sum(heights) + 1.0))
+    grid = fig.add_gridspec(3, 1, height_ratios=heights, hspace=0.35, left=0.02, right=0.98,
+                            top=0.95, bottom=0.02)
     ax_pool, ax_budget, ax_text = (fig.add_subplot(grid[i]) for i in range(3))
     return fig, ax_pool, ax_budget, ax_text, strip
 
@@ -184,7 +195,7 @@ def _draw_block(ax, snap: EngineSnapshot, b, columns: int, rows: int) -> None:
     elif state == SHARED:
         ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc=SHARED_COLOUR, ec=edge, lw=lw, gid=gid))
         ax.text(x + 0.45, y + 0.45, f"x{b.ref_cnt}", ha="center", va="center",
-                color="white", fontsize=7 if small else 5, fontweight="bold")
+                color="white", fontsize=FONT_PT, fontweight="bold")
     else:
         c = _block_colour(snap, b.owners[0])
         ax.add_patch(Rectangle((x, y), 0.9, 0.9, fc=(*c[:3], 0.3), ec=edge, lw=lw,
@@ -194,12 +205,19 @@ def _draw_block(ax, snap: EngineSnapshot, b, columns: int, rows: int) -> None:
     if b.key is not None:  # keyed: findable by the prefix cache
         ax.plot([x + 0.78], [y + 0.78], marker="o", ms=2.5 if small else 1.5,
                 color="white" if state == SHARED else "black")
+    if state == HELD:
+        # The owner's name in the block's upper half, so that two requests whose colours are
+        # near (tab10's blue and cyan, olive and goldenrod) are told apart by more than hue.
+        under = (_block_colour(snap, b.owners[0])
+                 if 2 * b.num_filled >= snap.block_size else (1, 1, 1))
+        ax.text(x + 0.06, y + 0.84, b.owners[0], va="top", fontsize=FONT_PT,
+                color=_ink_on(under), gid=f"owner-{b.block_id}")
     if small and state != SHARED:
         # The id sits in the block's lower left: over the solid part once a third of the
         # block holds K/V, else over the pale part (the colour at 30% on white: light).
         under = (_block_colour(snap, b.owners[0])
                  if state == HELD and 3 * b.num_filled >= snap.block_size else (1, 1, 1))
-        ax.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=7, color=_ink_on(under))
+        ax.text(x + 0.06, y + 0.08, str(b.block_id), fontsize=FONT_PT, color=_ink_on(under))
 
 
 def _finish_pool(ax, snap: EngineSnapshot, columns: int, rows: int, strip: float, legend,
@@ -208,7 +226,7 @@ def _finish_pool(ax, snap: EngineSnapshot, columns: int, rows: int, strip: float
     its legend in the strip right under it."""
     for r in range(rows):
         ax.text(-0.2, rows - 1 - r + 0.45, str(r * columns), ha="right", va="center",
-                fontsize=6, color="0.3")
+                fontsize=FONT_PT, color="0.3")
     ax.set_xlim(-1, columns)
     ax.set_ylim(-strip, rows)  # the strip below the grid holds the legend
     ax.set_aspect("equal")
@@ -221,11 +239,11 @@ def _finish_pool(ax, snap: EngineSnapshot, columns: int, rows: int, strip: float
                  f", kv_cache_dtype {snap.kv_cache_dtype}: {snap.kv_bytes_per_token:,} bytes/token"
                  f" x {snap.block_size} a block, {len(snap.blocks)} blocks")
     ax.set_title(title or f"KV pool after step {snap.step} ({snap.kv_layout}, block_size "
-                 f"{snap.block_size}{precision}): {counts}", fontsize=9)
+                 f"{snap.block_size}{precision}): {counts}", fontsize=FONT_PT + 1)
     states, labels = legend
     # Large enough for a projector: at most three entries a row.
     # Right under the grid, so that no empty band separates the blocks from their key.
-    ax.legend(states, labels, fontsize=8.5, loc="upper center",
+    ax.legend(states, labels, fontsize=FONT_PT, loc="upper center",
               bbox_to_anchor=(0.5, (strip - 0.1) / (rows + strip)),
               ncol=min(len(states), 3), frameon=False, handlelength=1.6,
               borderaxespad=0.1, handler_map={tuple: HandlerTuple(ndivide=2, pad=0)})
@@ -246,9 +264,9 @@ def _draw_budget(ax, snap: EngineSnapshot) -> None:
     ax.set_xlim(0, max(budget, dec + pre, 1))
     ax.set_ylim(-0.5, 0.5)
     ax.set_yticks([])
-    ax.tick_params(axis="x", labelsize=7)
+    ax.tick_params(axis="x", labelsize=FONT_PT)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     ax.set_title(f"last step's token budget: {dec} decode (black) + {pre} prefill "
                  f"(hatched), {unused} unused of max_num_batched_tokens={budget}",
-                 fontsize=8.5)
+                 fontsize=FONT_PT)
