@@ -95,15 +95,32 @@ def compare_peers(num_requests: int = 16, input_lens=(64, 128), output_lens=(96,
             t0 = time.perf_counter()
             run(name, prompts)
             times[name].append(time.perf_counter() - t0)
-    useful = sum(lens_out)
+    return {**summarize(times, sum(lens_out)),
+            "identical_to_kvlab": {k: f"{v}/{n}" for k, v in identical.items()}}
+
+
+def summarize(times: dict[str, list[float]], useful: int) -> dict:
+    """compare_peers' verdict from its timed runs: `times` maps each contender ("kvlab" first
+    among them) to its run times in seconds, run i of every contender in the same round.
+
+    Each row: the median's useful tokens/s and the spread over the runs (the slowest run's rate
+    and the fastest's). Each peer: kvlab's speed over it at the medians, the same ratio run by
+    run (round i's peer time over round i's kvlab time: its min-max), and in how many rounds
+    kvlab was the faster, so a verdict says how many repeats back it."""
     rows = {k: {"useful_tok_s": round(useful / statistics.median(t), 1),
+                "useful_tok_s_spread": [round(useful / max(t), 1), round(useful / min(t), 1)],
                 "spread_s": [round(min(t), 2), round(max(t), 2)]} for k, t in times.items()}
+    ours = times["kvlab"]
     kv = rows["kvlab"]["useful_tok_s"]
-    return {"rows": rows, "useful_tokens": useful,
-            "identical_to_kvlab": {k: f"{v}/{n}" for k, v in identical.items()},
-            "kvlab_over_generate": round(kv / rows["transformers generate"]["useful_tok_s"], 2),
-            "kvlab_over_generate_batch": round(
-                kv / rows["transformers generate_batch"]["useful_tok_s"], 2)}
+    peers = [k for k in times if k != "kvlab"]
+    ratios = {k: [theirs / mine for theirs, mine in zip(times[k], ours)] for k in peers}
+    out = {"rows": rows, "useful_tokens": useful, "repeats": len(ours),
+           "ratio_spread": {k: [round(min(r), 2), round(max(r), 2)] for k, r in ratios.items()},
+           "kvlab_ahead": {k: f"{sum(x > 1 for x in r)}/{len(r)}" for k, r in ratios.items()}}
+    for k in peers:  # "kvlab_over_generate", "kvlab_over_generate_batch"
+        out[f"kvlab_over_{k.removeprefix('transformers ')}"] = round(
+            kv / rows[k]["useful_tok_s"], 2)
+    return out
 
 
 def machine_rates(size: int = 2048, copy_mib: int = 512, repeats: int = 5,

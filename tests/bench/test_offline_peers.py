@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab import LLM, SamplingParams
-from kvlab.bench.offline_peers import decode_ceiling, transformers_generate_batch
+from kvlab.bench.offline_peers import decode_ceiling, summarize, transformers_generate_batch
 
 
 def test_generate_batch_peer_gives_kvlab_tokens(loaded, text_ids):
@@ -27,6 +27,23 @@ def test_decode_ceiling_arithmetic(loaded):
     params = sum(p.numel() for p in loaded.hf_model.parameters())
     assert one["step_ms"] >= 1000 * params * 4 / 1e10 - 0.01
     assert many["tok_s"] > one["tok_s"]
+
+
+def test_the_verdict_counts_every_repeat_and_gives_its_spread():
+    """Three rounds: kvlab ahead of generate in all, of generate_batch in two of them only; the
+    median's ratio alone would hide the round it lost."""
+    times = {"kvlab": [2.0, 4.0, 2.5], "transformers generate": [3.0, 5.0, 4.0],
+             "transformers generate_batch": [3.0, 3.0, 3.0]}
+    out = summarize(times, useful=100)
+    assert out["repeats"] == 3
+    assert out["rows"]["kvlab"] == {"useful_tok_s": 40.0, "useful_tok_s_spread": [25.0, 50.0],
+                                    "spread_s": [2.0, 4.0]}
+    assert out["kvlab_over_generate"] == round(40.0 / 25.0, 2)
+    assert out["kvlab_over_generate_batch"] == round(40.0 / 33.3, 2)
+    assert out["ratio_spread"] == {"transformers generate": [1.25, 1.6],
+                                   "transformers generate_batch": [0.75, 1.5]}
+    assert out["kvlab_ahead"] == {"transformers generate": "3/3",
+                                  "transformers generate_batch": "2/3"}
 
 
 @pytest.mark.slow
@@ -51,6 +68,8 @@ def test_compare_peers_short_warmup_times_the_checked_run(monkeypatch):
     for row in out["rows"].values():
         low, high = row["spread_s"]
         assert low == high > 0 and row["useful_tok_s"] > 0
+    assert out["repeats"] == 1
+    assert all(low == high for low, high in out["ratio_spread"].values())
     calls.clear()
     offline_peers.compare_peers(num_requests=2, input_lens=(16, 24), output_lens=(2, 4), repeats=1)
     assert calls == [(2, 4), (2, 4)]  # a whole untimed run, then the timed one
