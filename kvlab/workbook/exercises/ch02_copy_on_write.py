@@ -295,7 +295,7 @@ def _three_writers(impl) -> None:
     for name in ("child1", "child2", "parent"):
         _cow_call(impl, pool, tables[name], 6, 4)
     if pool.ref_cnt(parent[0]) != 3:
-        raise Mismatch("block 0 (only read) still shared by all three tables",
+        raise Mismatch("the tables' first block (only read) still shared by all three",
                        f"ref_cnt {pool.ref_cnt(parent[0])}")
 
 

@@ -3,11 +3,12 @@
 `block_hashes` teaches the key that stands for a whole prefix: a full block's key hashes its
 parent's key, its own tokens and its extra keys, so equal keys at block i mean equal tokens from
 the first token through block i. Only full blocks get keys (a partial block's tokens are not
-final), and the cache salt (chapter 06) is an extra key of block 0 only: the chain carries it on.
+final), and the cache salt (chapter 06) is an extra key of the request's first block only: the
+chain carries it on.
 
-`longest_cache_hit` teaches the lookup: walk the keys from block 0, stop at the first one that is
-not cached (nothing after a broken chain can be the same prefix), and never cover the last token,
-which must be computed so that there are logits to sample from.
+`longest_cache_hit` teaches the lookup: walk the keys from the request's first block, stop at the
+first one that is not cached (nothing after a broken chain can be the same prefix), and never
+cover the last token, which must be computed so that there are logits to sample from.
 
 Both are checked on hand-made and random inputs against kvlab's own `prefix_cache` and
 `KVCacheManager.get_computed_blocks`, then inside a real engine with prefix caching on: the same
@@ -40,8 +41,8 @@ def block_hashes(token_ids, block_size, cache_salt=None):
         # tokens from the very first token, not merely an equal block.
         parent = keys[i - 1] if i > 0 else None
         block = token_ids[i * block_size : (i + 1) * block_size]
-        # The salt is an extra key of block 0 only: every later key chains from block 0's, so a
-        # different salt already changes all of them.
+        # The salt is an extra key of the request's first block only: every later key chains from
+        # that block's key, so a different salt already changes all of them.
         extra_keys = (("cache_salt", cache_salt),) if i == 0 and cache_salt is not None else ()
         keys.append(hash_block_tokens(parent, block, extra_keys))
     return keys
@@ -53,10 +54,11 @@ HASH_STUB = '''from kvlab.prefix_cache import hash_block_tokens
 def block_hashes(token_ids, block_size, cache_salt=None):
     """One key per full block of token_ids (a partly filled last block gets none):
     key i = hash_block_tokens(parent, tokens of block i, extra_keys), where parent is key i - 1
-    (None for block 0) and extra_keys is () without a salt. A cache_salt must change every key;
-    it goes in as extra_keys (("cache_salt", cache_salt),), in as few blocks as that takes.
-    Which blocks are those? Example: block_hashes([5, 6, 7, 8, 9], 2) -> [k0, k1] with
-    k0 = hash_block_tokens(None, [5, 6], ()) and k1 = hash_block_tokens(k0, [7, 8], ()).
+    (None for the request's first block) and extra_keys is () without a salt. A cache_salt
+    must change every key; it goes in as extra_keys (("cache_salt", cache_salt),), in as few
+    blocks as that takes. Which blocks are those? Example: block_hashes([5, 6, 7, 8, 9], 2)
+    -> [k0, k1] with k0 = hash_block_tokens(None, [5, 6], ()) and
+    k1 = hash_block_tokens(k0, [7, 8], ()).
     """
     raise NotImplementedError("your turn")
 '''
@@ -82,7 +84,7 @@ def _diagnose(token_ids, block_size, cache_salt, got) -> str:
 
     salt = (("cache_salt", cache_salt),) if cache_salt is not None else ()
     guesses = {
-        "the salt is in every block's extra keys, not block 0's only":
+        "the salt is in every block's extra keys, not the first block's only":
             chain(lambda k, i: k[-1] if k else None, lambda i: salt),
         "the keys are not chained: each block is hashed without its parent's key":
             chain(lambda k, i: None, lambda i: salt if i == 0 else ()),
@@ -254,18 +256,18 @@ BLOCK_HASHES = Exercise(
     cases=[
         Case("fewer tokens than a block: no keys", _hash_case([5, 6, 7], 4),
              "Only full blocks have keys."),
-        Case("block 0: parent None, its tokens, no extra keys", _hash_case([5, 6, 7, 8], 4),
+        Case("the first block: parent None, its tokens, no extra keys", _hash_case([5, 6, 7, 8], 4),
              "hash_block_tokens(None, token_ids[:block_size], ())."),
-        Case("the keys are chained: block 1 hashes block 0's key", _hash_chained,
+        Case("the keys are chained: the second block hashes the first's key", _hash_chained,
              "Pass the previous key as the parent: equal keys must mean equal prefixes."),
         Case("one key per full block; the partly filled last block has none",
              _hash_case(list(range(100, 110)), 4),
              "10 tokens in blocks of 4: two full blocks, two keys."),
         Case("a chain of many blocks (block_size 1)", _hash_case([3, 1, 4, 1, 5, 9, 2, 6], 1),
              "Each key's parent is the key just before it."),
-        Case("cache_salt enters block 0's extra keys", _hash_case([5, 6, 7, 8], 4, "tenant-a"),
-             "extra_keys of block 0: (('cache_salt', cache_salt),)."),
-        Case("cache_salt only in block 0: the chain carries it on",
+        Case("cache_salt enters the first block's extra keys", _hash_case([5, 6, 7, 8], 4, "tenant-a"),
+             "extra_keys of the first block: (('cache_salt', cache_salt),)."),
+        Case("cache_salt only in the first block: the chain carries it on",
              _hash_case(list(range(20, 32)), 4, "tenant-a"),
              "Later blocks have extra_keys (): their parent's key already includes the salt."),
         Case("no salt: no extra keys in any block", _hash_case(list(range(20, 32)), 4, None),
@@ -298,9 +300,10 @@ HIT_STUB = '''def longest_cache_hit(block_hashes, num_tokens, block_size, cached
 
     block_hashes: the request's keys, one per full block; num_tokens: its length; cached: a
     mapping key -> block id of the blocks in the cache (cached.get(key) is None when absent).
-    Walk from block 0, stop at the first key not cached, and never include a block that holds
-    the request's last token (it must be computed). Example: block_size 4, num_tokens 8, keys
-    [k0, k1] both cached as {k0: 3, k1: 5} -> [3] (block 1 holds the last token).
+    Walk from the request's first block, stop at the first key not cached, and never include
+    a block that holds the request's last token (it must be computed). Example: block_size 4,
+    num_tokens 8, keys [k0, k1] both cached as {k0: 3, k1: 5} -> [3] (k1's block holds the
+    last token).
     """
     raise NotImplementedError("your turn")
 '''
@@ -434,8 +437,8 @@ LONGEST_CACHE_HIT = Exercise(
         Case("stop at the first miss, even if later blocks are cached",
              _hit_case(17, 4, {0: 2, 2: 6, 3: 1}),
              "A key after a miss cannot be the same prefix as far as this request knows: break."),
-        Case("block 0 is a real block id", _hit_case(13, 4, {0: 0, 1: 4, 2: 1}),
-             "cached.get(key) returns 0 for block 0: compare with None, not truthiness."),
+        Case("a cached block id of 0 still counts", _hit_case(13, 4, {0: 0, 1: 4, 2: 1}),
+             "cached.get(key) may return 0 in this mapping: compare with None, not truthiness."),
         Case("block_size 1", _hit_case(5, 1, {0: 7, 1: 8, 2: 9, 3: 2, 4: 3}),
              "5 tokens: 4 hits at most."),
         Case("300 random caches, compared with kvlab's get_computed_blocks", _hit_random),
