@@ -99,16 +99,20 @@ def cache_salt(repeats: int = 3, model: str | None = None, progress: bool = True
 
 def paged_admission(repeats: int = 3, model: str | None = None,
                     progress: bool = True) -> list[dict]:
-    """Chapter 01: how many requests fit at once, contiguous (max_model_len reserved per request)
-    against paged (blocks on demand). The allocator simulation over `repeats` seeds (100 requests
-    of 10-512 tokens, 10,000 slots), then the real model: 16 requests, a 2,560-token budget."""
+    """Chapter 01: contiguous (max_model_len reserved per request) against paged (blocks on
+    demand, vLLM's admission). The allocator simulation over `repeats` seeds (100 requests of
+    10-512 tokens, 10,000 slots): steps to finish them all, requests running per step,
+    preemptions; then the real model: 16 requests, a 2,560-token budget."""
     rows = []
     for seed in tqdm(range(repeats), desc="paged admission", disable=not progress):
         lengths = allocator_sim.request_lengths(100, 10, 512, seed=seed)
         runs = {layout: allocator_sim.simulate(lengths, layout) for layout in ("contiguous", "paged")}
         for layout, r in runs.items():
             rows.append({"run": f"simulation seed {seed}", "kv_layout": layout,
+                         "steps_to_finish": r.num_steps,
                          "mean_running": round(r.mean_running, 1), "peak_running": r.max_running,
+                         "preemptions": r.num_preemptions,
+                         "recomputed_tokens": r.num_recomputed_tokens,
                          "slots_holding_tokens": round(r.mean_utilisation, 3)})
     tok = load_model(model).tokenizer
     text = tok(" ".join(["Paged memory lets a serving engine keep many requests in flight."]

@@ -1,15 +1,26 @@
 """A pure-Python allocator simulation: contiguous reservation against paged blocks, no model.
 
-Defined in notebook 01. It replays the classic experiment: a pool of `total_slots` KV slots,
-requests that each grow to a length drawn uniformly from 10-512 tokens, one token per step.
+Defined in notebook 01. It replays the classic experiment: a pool of `total_slots` KV slots and
+requests that each grow to a length drawn uniformly from 10-512 tokens, one token per step
+(by default a request's prompt is its first token; `prompt_lens` gives longer prompts). It
+counts the steps until every request has finished, and records each step's requests running,
+requests waiting and the share of the pool holding tokens.
 
 - contiguous: a request is admitted only if an unbroken region of `max_len` slots is free
-  (first fit), because its final length is unknown when it starts.
-- paged: a request is admitted if one free block exists; it takes another block each time its
-  tokens cross a block boundary. If none is free, the newest running request is preempted (its
-  blocks freed, back to the front of the queue), as vLLM does.
-
-It reports how many requests run at once and how much of the pool holds real tokens.
+  (first fit), because its final length is unknown when it starts. It is never preempted.
+- paged, `admission="vllm"` (the default), vLLM 0.33.0's scheduler
+  (`vllm/v1/core/sched/scheduler.py`, `Scheduler.schedule`, and `KVCacheManager.allocate_slots`
+  in `vllm/v1/core/kv_cache_manager.py`): the running requests are scheduled first, in
+  admission order; one whose next token needs a block when none is free preempts the newest
+  running request (its blocks freed, its computed tokens dropped, back to the front of the
+  queue) until the block is there, or preempts itself. Then, in a step that preempted no one,
+  waiting requests are admitted first come first served while the blocks for *all the tokens
+  they compute this step* can be allocated (a new request: its whole prompt; a preempted one:
+  its prompt and every token it had generated), stopping at the first that cannot. An admitted
+  request computes those tokens in that one step (no token budget is modelled).
+- paged, `admission="one-block"`: a too-eager rule. A waiting request is admitted while one
+  block is free, and a preempted request starts over from nothing, growing again one token
+  per step. It admits at once what vLLM's rule would hold back, and pays in preemptions.
 """
 
 from __future__ import annotations
@@ -18,20 +29,36 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+ADMISSIONS = ("vllm", "one-block")
+
 
 @dataclass
 class SimResult:
     layout: str
-    running_per_step: list[int] = field(default_factory=list)
+    admission: str = "vllm"
+    # One entry per engine step, from step 0 to the step the last request finished.
+    running_per_step: list[int] = field(default_factory=list)  # requests that computed tokens
+    waiting_per_step: list[int] = field(default_factory=list)  # requests left in the queue
     utilisation_per_step: list[float] = field(default_factory=list)  # tokens held / total slots
     num_preemptions: int = 0
-    num_recomputed_tokens: int = 0  # tokens a preempted request had, computed again later
+    num_recomputed_tokens: int = 0  # computed tokens a preemption threw away, computed again later
     num_steps: int = 0  # steps until every request finished
-    steps: list[int] = field(default_factory=list)  # the step of each recorded entry above
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps at which requests were waiting (the pool, not arrivals, held them back)."""
+        return [s for s, w in enumerate(self.waiting_per_step) if w]
 
     @property
     def mean_running(self) -> float:
+        """Requests running per step, averaged over every step of the run."""
         return statistics.fmean(self.running_per_step) if self.running_per_step else 0.0
+
+    @property
+    def mean_running_while_waiting(self) -> float:
+        """Requests running per step, averaged over the steps at which others were waiting."""
+        queued = [self.running_per_step[s] for s in self.steps]
+        return statistics.fmean(queued) if queued else 0.0
 
     @property
     def max_running(self) -> int:
@@ -39,6 +66,7 @@ class SimResult:
 
     @property
     def mean_utilisation(self) -> float:
+        """The pool's share holding tokens, averaged over every step of the run."""
         return statistics.fmean(self.utilisation_per_step) if self.utilisation_per_step else 0.0
 
 
@@ -54,26 +82,40 @@ def simulate(
     total_slots: int = 10_000,
     max_len: int = 512,
     block_size: int = 16,
+    prompt_lens: list[int] | None = None,
+    admission: str = "vllm",
 ) -> SimResult:
-    """Run every request to its length; record concurrency while requests are still waiting.
+    """Run every request to its length (tokens held at its end) and record each step.
 
-    Only steps with a non-empty queue are recorded: that is the steady state where memory, not
-    the supply of requests, limits how many run at once.
+    `prompt_lens` (default: one token each) are computed in the request's first step; every
+    later step computes one token. `admission` picks the paged rule (module docstring); the
+    contiguous layout has one rule.
     """
     if layout not in ("contiguous", "paged"):
         raise ValueError(f"layout must be 'contiguous' or 'paged', got {layout!r}")
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
     if max(lengths) > max_len:
         raise ValueError(f"a length exceeds max_len={max_len}")
-    num_blocks = total_slots // block_size
-    # Contiguous regions are counted in slots; paged memory in blocks.
-    free_slots = [True] * total_slots  # contiguous: which slots are free (for first fit)
-    free_blocks = num_blocks
+    prompts = [1] * len(lengths) if prompt_lens is None else list(prompt_lens)
+    if len(prompts) != len(lengths) or any(not 1 <= p <= n for p, n in zip(prompts, lengths)):
+        raise ValueError("each request needs a prompt of 1 to its length tokens")
+    if admission == "one-block" and (layout != "paged" or prompt_lens is not None):
+        raise ValueError("the one-block rule is a paged rule, for one-token prompts")
+    if admission == "one-block":
+        return _simulate_one_block(lengths, total_slots, block_size)
+    result = SimResult(layout, admission)
+    free_blocks = total_slots // block_size  # paged memory, in blocks
+    free_slots = [True] * total_slots  # contiguous memory: which slots are free (for first fit)
+    region_start: dict[int, int] = {}
     waiting = list(range(len(lengths)))  # request indices, arrival order
     running: list[int] = []  # admission order
-    tokens = [0] * len(lengths)  # tokens held so far
+    num_tokens = list(prompts)  # the request's tokens so far: its prompt, then what it generated
+    computed = [0] * len(lengths)  # tokens whose K/V is in the pool
     held_blocks = [0] * len(lengths)
-    region_start: dict[int, int] = {}
-    result = SimResult(layout)
+
+    def blocks_missing(r: int, upto: int) -> int:
+        return -(-upto // block_size) - held_blocks[r]
 
     def first_fit(n: int) -> int | None:
         run = 0
@@ -84,8 +126,31 @@ def simulate(
         return None
 
     while waiting or running:
-        # Admit in arrival order while memory allows.
-        while waiting:
+        scheduled: list[int] = []
+        preempted = False
+        # 1. The running requests first, oldest first: each needs room for its next token.
+        for r in list(running):
+            if r not in running:
+                continue  # preempted earlier in this step
+            if layout == "paged":
+                while blocks_missing(r, num_tokens[r]) > free_blocks:
+                    victim = running.pop()  # the newest request gives way
+                    result.num_preemptions += 1
+                    result.num_recomputed_tokens += computed[victim]
+                    free_blocks += held_blocks[victim]
+                    held_blocks[victim], computed[victim] = 0, 0  # it keeps its tokens
+                    waiting.insert(0, victim)
+                    preempted = True
+                    if victim == r:
+                        break
+                if r not in running:
+                    continue
+                k = blocks_missing(r, num_tokens[r])
+                free_blocks -= k
+                held_blocks[r] += k
+            scheduled.append(r)
+        # 2. Then the queue, first come first served, in a step that preempted no one.
+        while waiting and not preempted:
             r = waiting[0]
             if layout == "contiguous":
                 start = first_fit(max_len)
@@ -94,34 +159,20 @@ def simulate(
                 free_slots[start : start + max_len] = [False] * max_len
                 region_start[r] = start
             else:
-                if free_blocks < 1:
+                k = blocks_missing(r, num_tokens[r])  # every token it computes this step
+                if k > free_blocks:
                     break
+                free_blocks -= k
+                held_blocks[r] += k
             running.append(waiting.pop(0))
-        # Every running request produces one token; paged takes a block at each boundary.
-        for r in list(running):
-            if r not in running:
-                continue  # preempted earlier in this step
-            if layout == "paged" and tokens[r] % block_size == 0:
-                while free_blocks < 1:
-                    victim = running.pop()  # the newest request gives way
-                    result.num_recomputed_tokens += tokens[victim]
-                    free_blocks += held_blocks[victim]
-                    held_blocks[victim], tokens[victim] = 0, 0
-                    waiting.insert(0, victim)
-                    result.num_preemptions += 1
-                    if victim == r:
-                        break
-                if r not in running:
-                    continue
-                free_blocks -= 1
-                held_blocks[r] += 1
-            tokens[r] += 1
-        if waiting:
-            result.steps.append(result.num_steps)
-            result.running_per_step.append(len(running))
-            result.utilisation_per_step.append(sum(tokens[r] for r in running) / total_slots)
+            scheduled.append(r)
+        # 3. The step computes what it scheduled; each request then has one token more.
+        for r in scheduled:
+            computed[r] = num_tokens[r]
+            num_tokens[r] = min(num_tokens[r] + 1, lengths[r])
+        _record(result, len(scheduled), len(waiting), sum(computed[r] for r in running), total_slots)
         # Finished requests free their memory at once.
-        for r in [r for r in running if tokens[r] >= lengths[r]]:
+        for r in [r for r in running if computed[r] >= lengths[r]]:
             running.remove(r)
             if layout == "contiguous":
                 s = region_start.pop(r)
@@ -129,6 +180,51 @@ def simulate(
             else:
                 free_blocks += held_blocks[r]
                 held_blocks[r] = 0
+        result.num_steps += 1
+    return result
+
+
+def _record(result: SimResult, running: int, waiting: int, tokens: int, total_slots: int) -> None:
+    result.running_per_step.append(running)
+    result.waiting_per_step.append(waiting)
+    result.utilisation_per_step.append(tokens / total_slots)
+
+
+def _simulate_one_block(lengths: list[int], total_slots: int, block_size: int) -> SimResult:
+    """The too-eager paged rule: admit while one block is free; a preempted request starts over
+    from nothing, growing again one token per step."""
+    result = SimResult("paged", "one-block")
+    free_blocks = total_slots // block_size
+    waiting = list(range(len(lengths)))
+    running: list[int] = []
+    tokens = [0] * len(lengths)
+    held_blocks = [0] * len(lengths)
+    while waiting or running:
+        while waiting and free_blocks >= 1:  # one free block is enough to start
+            running.append(waiting.pop(0))
+        for r in list(running):
+            if r not in running:
+                continue  # preempted earlier in this step
+            if tokens[r] % block_size == 0:
+                while free_blocks < 1:
+                    victim = running.pop()  # the newest request gives way
+                    result.num_preemptions += 1
+                    result.num_recomputed_tokens += tokens[victim]
+                    free_blocks += held_blocks[victim]
+                    held_blocks[victim], tokens[victim] = 0, 0
+                    waiting.insert(0, victim)
+                    if victim == r:
+                        break
+                if r not in running:
+                    continue
+                free_blocks -= 1
+                held_blocks[r] += 1
+            tokens[r] += 1
+        _record(result, len(running), len(waiting), sum(tokens[r] for r in running), total_slots)
+        for r in [r for r in running if tokens[r] >= lengths[r]]:
+            running.remove(r)
+            free_blocks += held_blocks[r]
+            held_blocks[r] = 0
         result.num_steps += 1
     return result
 

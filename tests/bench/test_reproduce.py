@@ -41,7 +41,10 @@ def test_cli_runs_an_experiment_on_the_real_model_and_saves_it(tmp_path, capsys)
     assert real["contiguous"]["peak_running"] == 5 and real["paged"]["peak_running"] == 16
     assert real["paged"]["identical_to_contiguous"] is True
     sims = [r for r in rows if r["run"] == "simulation seed 0"]
-    assert sims[1]["mean_running"] > 2 * sims[0]["mean_running"]
+    # The same 100 requests: paged (vLLM's admission) finishes them in about half the steps.
+    assert sims[0]["kv_layout"] == "contiguous" and sims[1]["kv_layout"] == "paged"
+    assert sims[0]["steps_to_finish"] > 1.8 * sims[1]["steps_to_finish"]
+    assert sims[1]["mean_running"] > 1.8 * sims[0]["mean_running"]
     assert (tmp_path / "paged-admission.csv").is_file()
 
 

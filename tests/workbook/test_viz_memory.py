@@ -61,28 +61,57 @@ def test_the_three_wastes_are_three_different_marks():
     plt.close(ax.figure)
 
 
-def test_the_null_block_is_drawn_black_and_left_out_of_the_slots():
-    """Block 0, vLLM's null block, is never handed out: draw_memory_map draws it black, names
-    it in the state legend, and counts its slots neither held nor in the pool's total."""
+def test_the_null_block_is_drawn_black_in_its_own_row_and_left_out_of_the_slots():
+    """Block 0, vLLM's null block, is never handed out: draw_memory_map draws it black in a row
+    of its own above the grid, labelled beside it (not again in the legend), and counts its slots
+    neither held nor in the pool's total. The grid's rows start at blocks 1, 1 + columns, ..."""
     m = KVCacheManager(num_blocks=8, block_size=4, max_model_len=16)
     assert m.allocate_slots("a", 6)
     assert m.get_block_ids("a") == [1, 2]
     mm = m.memory_map({"a": 6})
     assert mm[0] == (NULL_BLOCK_OWNER, 0, 0)
-    ax = viz.draw_memory_map(mm, 4, "paged", columns=8)
+    ax = viz.draw_memory_map(mm, 4, "paged", columns=4)
     black = [p for p in ax.patches if matplotlib.colors.same_color(p.get_facecolor(), "black")]
-    assert len(black) == 1 and black[0].get_xy() == (0, 0)  # block 0: the one row's first
+    # Two rows of 4 (blocks 1-4 and 5-7) and the null block's row above them.
+    assert len(black) == 1 and black[0].get_xy()[0] == 0 and black[0].get_xy()[1] > 2
+    first = [p for p in ax.patches if p.get_xy() == (0, 1)]  # row 1's first square: block 1
+    assert first and matplotlib.colors.same_color(first[0].get_facecolor(), viz.axes._colour(0))
+    texts = [t.get_text() for t in ax.texts]
+    assert "block 0: vLLM's null block, never handed out" in texts
+    assert [t for t in texts if t.isdigit()] == ["1", "5"]  # each row's first block id
     # 7 usable blocks of 4: 28 slots, not 32; a's 6 tokens in its 2 blocks' 8 slots.
     assert ax.get_title() == "paged: 1 requests, 6 tokens in 8 held slots of 28"
     legends = [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]
     states = next(lg for lg in legends if "free" in {t.get_text() for t in lg.get_texts()})
-    null = [(t.get_text(), h) for t, h in zip(states.get_texts(), states.legend_handles)
-            if "null" in t.get_text()]
-    assert [text for text, _ in null] == ["block 0: vLLM's null block"]
-    assert matplotlib.colors.same_color(null[0][1].get_facecolor(), "black")
+    assert not [t for t in states.get_texts() if "null" in t.get_text()]  # named once, by its square
     requests = next(lg for lg in legends if lg is not states)
     assert [t.get_text() for t in requests.get_texts()] == ["a"]  # no request called "null"
+    assert min(t.get_fontsize() for lg in legends for t in lg.get_texts()) >= 9
+    assert min(t.get_fontsize() for t in ax.texts) >= 9 and ax.title.get_fontsize() >= 9
     plt.close(ax.figure)
+
+
+def test_the_simulation_figure_draws_every_layout_over_every_step():
+    """Both layouts on one step axis from step 0 to their last request's finish (not only the
+    steps with a queue); the too-eager rule dashed in the paged colour; labels of 9 pt or more."""
+    from kvlab.workbook import allocator_sim
+
+    lengths = allocator_sim.request_lengths(30, 10, 512, seed=0)
+    c = allocator_sim.simulate(lengths, "contiguous", 4096, 512)
+    p = allocator_sim.simulate(lengths, "paged", 4096, 512)
+    e = allocator_sim.simulate(lengths, "paged", 4096, 512, admission="one-block")
+    fig = viz.plot_sim(c, p, e)
+    for ax in fig.axes:
+        lines = [ln for ln in ax.get_lines() if len(ln.get_xdata()) > 2]
+        assert [len(ln.get_xdata()) for ln in lines] == [c.num_steps, p.num_steps, e.num_steps]
+        assert all(list(ln.get_xdata()) == list(range(len(ln.get_xdata()))) for ln in lines)
+        assert lines[1].get_color() == lines[2].get_color() != lines[0].get_color()
+        assert lines[2].get_linestyle() == "--" and lines[1].get_linestyle() == "-"
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels[2].startswith("paged, one-block rule")
+        assert min(t.get_fontsize() for t in ax.get_legend().get_texts() + ax.texts) >= 9
+        assert min(t.get_fontsize() for t in ax.get_xticklabels() + [ax.xaxis.label]) >= 9
+    plt.close(fig)
 
 
 def test_coinciding_savings_series_are_drawn_apart_and_named():

@@ -73,22 +73,36 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
     distinct), solid = slots holding tokens, hatched = slots reserved for tokens still to come,
     pale and dotted = slots held that will never hold a token (internal waste), white = free,
     grey = free but in a gap too short for anyone (`unusable_free`: external fragmentation).
+    Block 0, vLLM's null block (never handed out), is drawn black in a row of its own above the
+    grid and labelled, so every row of the grid starts at a block boundary a reader can count
+    from: block 1, 1 + columns, ...; each row's first block id is written at its left.
     `memory_map` comes from the manager's `memory_map(num_tokens, final_tokens)`. A legend on
     the right names the requests; with `state_legend`, one below the grid names the states
-    (pass False on all but the last of several stacked maps)."""
+    (pass False on all but the last of several stacked maps). Every label is 9 pt."""
     memory_map = list(memory_map)
     null = [b for b, (o, *_) in enumerate(memory_map) if o == NULL_BLOCK_OWNER]
+    first = 1 if null == [0] else 0  # the grid starts after the null block
     for b in null:  # drawn black, counted with no request
         memory_map[b] = (None, 0, 0)
     owners = [o for o, *_ in memory_map if o is not None]
     order = list(dict.fromkeys(owners))
-    rows = -(-len(memory_map) // columns)
+    grid = len(memory_map) - first
+    rows = -(-grid // columns)
+    top = rows + (1.2 if first else 0)  # the null block's row, a little apart from the grid
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 0.28 * rows + 1.3))
+        _, ax = plt.subplots(figsize=(7, 0.3 * top + 1.6))
     side = 0.92
-    for b, (owner, filled, reserved) in enumerate(memory_map):
-        x, y = b % columns, rows - 1 - b // columns
-        if b in null:
+    if first:
+        ax.add_patch(Rectangle((0, rows + 0.25), side, side, fc="black", ec="black", lw=0.5))
+        ax.text(side + 0.3, rows + 0.25 + side / 2, "block 0: vLLM's null block, never handed out",
+                ha="left", va="center", fontsize=9)
+    for b in range(first, len(memory_map)):
+        owner, filled, reserved = memory_map[b]
+        i = b - first
+        x, y = i % columns, rows - 1 - i // columns
+        if x == 0:
+            ax.text(-0.25, y + side / 2, str(b), ha="right", va="center", fontsize=9)
+        if b in null:  # a null block past block 0 (none in kvlab): black, in place
             ax.add_patch(Rectangle((x, y), side, side, fc="black", ec="black", lw=0.5))
             continue
         if owner is None:
@@ -105,8 +119,8 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
         ax.add_patch(Rectangle((x + w_fill + w_res, y), side - w_fill - w_res, side,
                                fc=(*c[:3], 0.08), ec="none", hatch=".."))
         ax.add_patch(Rectangle((x, y), side, side, fc="none", ec=c, lw=0.5))  # the block's edge
-    ax.set_xlim(0, columns)
-    ax.set_ylim(0, rows)
+    ax.set_xlim(-1.4, columns)
+    ax.set_ylim(0, top)
     ax.set_aspect("equal")
     ax.axis("off")
     used = sum(f for o, f, _ in memory_map if o is not None)
@@ -122,15 +136,14 @@ def draw_memory_map(memory_map: list[tuple[str | None, int, int]], block_size: i
                         label="internal waste: never filled"),
                   Patch(fc=EXTERNAL, ec="0.6", label="external: free, too short a gap"),
                   Patch(fc="white", ec="0.75", label="free")]
-        if null:
-            states.append(Patch(fc="black", label="block 0: vLLM's null block"))
-        legend = ax.legend(handles=states, fontsize=7, loc="upper center",
+        # The null block is named beside its own square, above the grid: not repeated here.
+        legend = ax.legend(handles=states, fontsize=9, loc="upper center",
                            bbox_to_anchor=(0.5, 0.0), ncol=3, frameon=False, handlelength=1.5)
         ax.add_artist(legend)
         legend.set_clip_on(False)  # else a saved figure's tight bounding box leaves it out
     handles = [Patch(fc=_colour(i), label=str(o)) for i, o in enumerate(order)]
     if handles:
-        ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+        ax.legend(handles=handles, fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   ncol=1 + (len(handles) > 8), handlelength=1, columnspacing=0.6,
                   borderaxespad=0.2)
     return ax
@@ -149,46 +162,50 @@ def format_block_tables(block_tables: dict[str, list[int]], max_entries: int = 1
     return "\n".join(lines)
 
 
-def _with_gaps(steps: list[int], values: list[float]) -> tuple[list, list]:
-    """Break a line where recorded steps are not consecutive (matplotlib skips a NaN)."""
-    xs, ys = [], []
-    for i, (x, y) in enumerate(zip(steps, values)):
-        if i and x != steps[i - 1] + 1:
-            xs.append(float("nan"))
-            ys.append(float("nan"))
-        xs.append(x)
-        ys.append(y)
-    return xs, ys
+LAYOUT_COLOURS = {"contiguous": "tab:red", "paged": "tab:blue"}  # one colour per layout
+RULE_STYLES = {"vllm": "-", "one-block": "--"}  # the paged admission rule: the line's style
 
 
-def plot_sim(contiguous: SimResult, paged: SimResult):
-    """Requests running at once, and the pool's share holding tokens, on one step axis, drawn
-    only at the steps with requests waiting (where memory, not arrivals, sets the batch). A
-    dotted line marks the step each layout finished its last request; a series ends where no
-    request waits any more (the legend gives that step)."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.4))
-    for res, c in ((contiguous, "tab:red"), (paged, "tab:blue")):
-        steps = res.steps or list(range(len(res.running_per_step)))
-        last = f"; none waits after step {steps[-1]:,}" if steps else ""
-        # A dot per recorded step too: a step alone between gaps draws no line.
-        ax1.plot(*_with_gaps(steps, res.running_per_step), ".-", ms=2, lw=1, color=c,
-                 label=f"{res.layout} (mean {res.mean_running:.1f}{last})")
-        ax2.plot(*_with_gaps(steps, [u * 100 for u in res.utilisation_per_step]), ".-", ms=2,
-                 lw=1, color=c, label=f"{res.layout} (mean {res.mean_utilisation:.0%}{last})")
+def _sim_label(res: SimResult) -> str:
+    return res.layout if res.admission == "vllm" else f"{res.layout}, {res.admission} rule"
+
+
+def plot_sim(*results: SimResult):
+    """Requests running at each step, and the pool's share holding tokens, for every result on
+    one step axis, from step 0 until its last request finished (a dotted line, "all done").
+    Each layout keeps its colour; a paged run under the too-eager one-block rule is dashed. The
+    legend gives each run's mean over its steps and the last step at which requests waited."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.9))
+    for n, res in enumerate(results):
+        c, ls = LAYOUT_COLOURS.get(res.layout, _colour(n)), RULE_STYLES.get(res.admission, ":")
+        steps = list(range(len(res.running_per_step)))
+        waits = res.steps
+        last = f"; none waits after step {waits[-1]:,}" if waits else "; none waits"
+        name = _sim_label(res)
+        ax1.plot(steps, res.running_per_step, ls=ls, lw=1.3, color=c,
+                 label=f"{name}: mean {res.mean_running:.1f}{last}")
+        ax2.plot(steps, [u * 100 for u in res.utilisation_per_step], ls=ls, lw=1.3, color=c,
+                 label=f"{name}: mean {res.mean_utilisation:.0%}{last}")
         for ax in (ax1, ax2):
             if res.num_steps:
                 ax.axvline(res.num_steps, color=c, ls=":", lw=1.2)
-                ax.annotate(f"{res.layout}:\nall done", (res.num_steps, 1), xycoords=(
-                    "data", "axes fraction"), xytext=(-3, -3), textcoords="offset points",
-                    ha="right", va="top", fontsize=7, color=c)
-    for ax, ylabel in ((ax1, "requests running"), (ax2, "pool holding real tokens (%)")):
-        ax.set_xlabel("engine step (drawn while requests wait)")
-        ax.set_ylabel(ylabel)
-        ax.set_xlim(0, max(contiguous.num_steps, paged.num_steps, 1) * 1.02)
-        ax.legend(fontsize=7.5, loc="upper right", bbox_to_anchor=(1, 0.86))
+                ax.annotate(f"{name}:\nall done, step {res.num_steps:,}", (res.num_steps, 1),
+                            xycoords=("data", "axes fraction"), xytext=(-3, -3 - 24 * n),
+                            textcoords="offset points", ha="right", va="top", fontsize=9,
+                            color=c)
+    for ax, ylabel in ((ax1, "requests running"), (ax2, "pool holding tokens (%)")):
+        ax.set_xlabel("engine step", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.tick_params(labelsize=9)
+        ax.set_xlim(0, max((r.num_steps for r in results), default=1) * 1.02)
         ax.grid(alpha=0.3)
-    ax1.set_ylim(0, max(contiguous.max_running, paged.max_running) * 1.1)
-    ax2.set_ylim(0, 105)
+    top = max((r.max_running for r in results), default=1)
+    # Headroom above the curves for the "all done" labels, one under the other.
+    ax1.set_ylim(0, top * (1.2 + 0.15 * len(results)))
+    ax2.set_ylim(0, 100 * (1.2 + 0.15 * len(results)))
+    ax2.set_yticks(range(0, 101, 25))
+    ax1.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax2.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
