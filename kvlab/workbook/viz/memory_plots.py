@@ -23,11 +23,15 @@ def plot_kv_memory(bytes_per_token: int, seq_lens, batch_sizes, budget_bytes: fl
     if budget_bytes is not None:
         ax.axhline(budget_bytes / GIB, color="k", ls="--", lw=1,
                    label=f"KV budget ({budget_bytes / GIB:,.3g} GiB)")
+    # Both axes on a log scale: batch 1 and batch 64 differ 64-fold, so on a linear axis the
+    # small batches lie on zero. Equal steps up the page are equal factors of memory.
+    log_axis(ax.xaxis, base=2, ticks=list(seq_lens))
+    log_axis(ax.yaxis)
     ax.set_xlabel("tokens per request (prompt + output)")
-    ax.set_ylabel("KV cache (GiB)")
+    ax.set_ylabel("KV cache (GiB, log scale)")
     ax.set_title(f"{title}: {bytes_per_token:,} bytes/token")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+    ax.grid(alpha=0.3, which="major")
     fig.tight_layout()
     return fig
 
@@ -54,13 +58,13 @@ def plot_no_cache(runs: dict, prompt_len: int):
         off_scale += [(x, m, colour) for x, m in zip(xs, ms) if m > top]
     for x, m, colour in off_scale:
         ax.annotate(f"{m:,.0f} ms", (x, top), xytext=(0, -10), textcoords="offset points",
-                    ha="center", va="top", fontsize=8, color=colour)
+                    ha="center", va="top", fontsize=9, color=colour)
     ax.set_xlabel(f"generated token (after a {prompt_len}-token prompt; dot: the prefill)")
     ax.set_ylabel("ms for this token")
     ax.set_ylim(0, top * 1.02)
     ax.set_title("Time per new token, without and with a KV cache"
                  + (" (tokens above the top: their ms written)" if off_scale else ""), fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=9, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -234,7 +238,7 @@ def plot_block_size_tradeoff(lengths: list[int], block_size: int,
     log_axis(ax2.yaxis)
     ax2.set_ylabel("block-table entries per request", color="tab:blue")
     ax.axvline(block_size, color="k", ls="--", lw=1)
-    ax.set_title(block_size_summary(lengths, block_size), fontsize=8)
+    ax.set_title(block_size_summary(lengths, block_size), fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -256,7 +260,7 @@ def plot_blocks_per_step(series: dict[str, list[int]], title: str = "KV blocks i
     ax.set_xlabel("step")
     ax.set_ylabel("blocks in use")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -309,13 +313,13 @@ def plot_parallel_sampling(rows: list[dict]):
                 vals = [by[(prompt_len, n, mode)][key] for n in ns]
                 bars = ax.bar(xs, vals, width, color=_colour(m), hatch=hatches[m % 3],
                               ec="white", lw=0.5, label=mode)
-                ax.bar_label(bars, fontsize=7.5, padding=1)
+                ax.bar_label(bars, fontsize=9, padding=1)
             ax.set_xticks(range(len(ns)), [f"n={n}" for n in ns])
-            ax.set_ylabel(ylabel, fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=9)
             ax.set_title(f"prompt {prompt_len} tokens", fontsize=9)
             ax.margins(y=0.15)
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=len(modes), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
