@@ -71,6 +71,55 @@ def test_scheduling_figures_draw():
         plt.close(fig)
 
 
+def test_gantt_draws_a_run_of_steps_as_one_bar_and_labels_a_back_row_can_read():
+    """A request that ran in consecutive steps is one bar as wide as its run, with no seam per
+    step; a request that waited between two runs (preempted) is two bars."""
+    from matplotlib.collections import PolyCollection
+
+    from kvlab.metrics import StepRecord
+
+    who = {1: ["a", "b"], 2: ["a", "b"], 3: ["a"], 4: ["a", "b"]}
+    steps = [StepRecord(i, ids, 0, len(ids), len(ids), 0, 4, 10, 0, 0.1, 0.09)
+             for i, ids in who.items()]
+    fig = viz.plot_gantt({"run": steps})
+    ax = fig.axes[0]
+    bars = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    extents = [[(round(p.get_extents().x0, 6), round(p.get_extents().width, 6))
+                for p in c.get_paths()] for c in bars]
+    assert extents == [[(0, 4)], [(0, 2), (3, 1)]]
+    plt.close(fig)
+
+
+def test_chapter_03_and_04_figures_read_from_the_back_row():
+    """Every text on the scheduling figures (03's Gantt chart, concurrency and capacity sweeps;
+    04's decode gaps and gap against budget) is at least 9 pt."""
+    from matplotlib.text import Text
+
+    from kvlab.bench.scheduling import StallRun
+
+    from kvlab.metrics import StepRecord
+
+    steps = [StepRecord(i, ["r0", "r1"][: 1 + i % 2], 0, 2, 2, 0, 4, 10, 0, 0.1, 0.09)
+             for i in range(1, 9)]
+    rows = [{"server": s, "concurrency": c, "tok_s": 10.0 * c, "tok_s_spread": [9.0 * c, 11.0 * c],
+             "ttft_median_ms": 5.0 * c, "preemptions": 2 if c == 16 else 0}
+            for s, cs in (("max_num_seqs=1", (1, 16)), ("default", (1, 4, 16))) for c in cs]
+    default = [r for r in rows if r["server"] == "default"]
+    figs = {"gantt": viz.plot_gantt({"static": steps, "continuous": steps}),
+            "concurrency": viz.plot_concurrency(rows),
+            "capacity": viz.plot_capacity({"rows": default, "predicted_knee": 4, "kv_tokens": 256},
+                                          dict(default[-1], preemptions=0))}
+    stall = [StallRun(b, [0.0, 0.1, 0.5, 0.6], 0.15, 0.4, 0.4, 3) for b in (64, 128, None)]
+    figs["stall"] = viz.plot_stall(stall)
+    figs["gap"] = viz.plot_gap_vs_budget(stall, 500.0, 0.03, fit=(0.01, 0.002, 0.99))
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < 9]
+        assert texts and not small, (name, small)
+        plt.close(fig)
+
+
 def test_prefix_figures_and_text():
     text = viz.format_hash_chain({"A": list(range(10)), "B": list(range(9)) + [99]}, 4,
                                  salts={"B": "s"})
@@ -186,7 +235,7 @@ def test_api_figure_reads_at_a_glance():
     # The hatched bar is named, and its legend covers no bar's label either.
     prefix_ax = fig.axes[1]
     assert [t.get_text() for t in prefix_ax.get_legend().get_texts()] == [
-        "same prompt after reset_prefix_cache"]
+        "same prompt after\nreset_prefix_cache"]
     legend = prefix_ax.get_legend().get_window_extent(renderer)
     assert not any(legend.overlaps(b) for b in _boxes(prefix_ax.texts, renderer))
     colours = {b.get_facecolor() for b in salt_ax.patches}
@@ -328,3 +377,72 @@ def test_figures_say_what_their_marks_mean():
 
     assert _ink_on((0.12, 0.47, 0.71)) == "white"  # tab:blue, solid: a held block's fill
     assert _ink_on((1.0, 1.0, 1.0)) != "white"
+
+
+def _contrast(a, b) -> float:
+    """WCAG's contrast ratio of two colours (1 to 21; 4.5 is its floor for body text)."""
+    def lum(c):
+        lin = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4
+               for x in matplotlib.colors.to_rgb(c)]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_chapter_07_figures_read_from_the_back_row():
+    """Every text on chapter 07's four figures (peers, roofline, serving peers, API run) is at
+    least 9 pt, a label drawn on a bar reads against the bar's colour, and no legend runs out of
+    its panel."""
+    from matplotlib.text import Text
+
+    peers = {"rows": {"kvlab": {"useful_tok_s": 72.0, "useful_tok_s_spread": [68.0, 75.0]},
+                      "transformers generate": {"useful_tok_s": 41.0,
+                                                "useful_tok_s_spread": [39.0, 44.0]}},
+             "useful_tokens": 192, "repeats": 3}
+    ceiling = {"ceiling": {"batch": 16, "context": 104, "compute_bound_tok_s": 700.0,
+                           "memory_bound_tok_s": 900.0}, "kvlab_decode_tok_s": 260.0,
+               "fraction_of_ceiling": 0.37}
+    roof = [{"batch": b, "context": 64, "step_ms": 10.0 * b, "tok_s": 100.0,
+             "ceiling_ms_mm": 3.7 * b, "ceiling_ms_peak": 3.1 * b, "fraction_mm": 0.37,
+             "fraction_peak": 0.31, "bound_mm": "memory", "bound_peak": "memory"}
+            for b in (1, 4, 16, 64)]
+    serve = [{"server": s, "concurrency": c, "output_tok_s": t, "ttft_median_ms": 100.0 * c,
+              "ttft_p90_ms": 120.0 * c, "itl_median_ms": 40.0, "itl_p90_ms": 45.0}
+             for s, t in (("kvlab serve", 60.0), ("transformers serve", 45.0)) for c in (1, 8)]
+    salts = [("tenant-a", 0, 977.0), ("tenant-a", 224, 246.0), ("none", 0, 1130.0)]
+    api = {"concurrency": [{"concurrency": 1, "tok_s": 19.8, "ttft_median_ms": 131.7},
+                           {"concurrency": 2, "tok_s": 33.3, "ttft_median_ms": 192.1}],
+           "prefix-cache": [{"prompt_tokens": 252, "cold_ttft_ms": 379.3, "warm_ttft_ms": 80.1,
+                             "after_reset_ttft_ms": 293.6}],
+           "cache-salt": [{"experiment": "salt table", "order": i + 1, "cache_salt": s,
+                           "cached_tokens": c, "ttft_ms": t}
+                          for i, (s, c, t) in enumerate(salts)]}
+    figs = {"peers": viz.plot_peers(peers, ceiling),
+            "roofline": viz.plot_roofline_sweep({"context": 64, "rows": roof}),
+            "serve peers": viz.plot_serve_peers(serve), "api run": viz.plot_api_run(api)}
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < 9]
+        assert not small, (name, small)
+        for ax in fig.axes:
+            if ax.get_legend() is not None:  # a legend stays inside its panel, over no tick
+                legend = ax.get_legend().get_window_extent(renderer)
+                frame = ax.get_window_extent(renderer)
+                assert frame.x0 - 1 <= legend.x0 and legend.x1 <= frame.x1 + 1, (name, ax.get_title())
+            bars = [p for p in ax.patches if p.get_height() > 0 and p.get_width() > 0]
+            for t in ax.texts:
+                box = t.get_window_extent(renderer)
+                x, y = (box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2
+                for bar in bars:
+                    if bar.get_window_extent(renderer).contains(x, y):
+                        assert _contrast(t.get_color(), bar.get_facecolor()) >= 4.5, (
+                            name, t.get_text(), t.get_color(), bar.get_facecolor())
+        plt.close(fig)
+    # The peers' whiskers reach each contender's slowest and fastest run.
+    left = viz.plot_peers(peers, ceiling).axes[0]
+    ends = sorted(x for coll in left.collections for seg in coll.get_segments()
+                  for x in seg[:, 0])
+    assert ends == [39.0, 44.0, 68.0, 75.0]
+    plt.close(left.figure)

@@ -9,7 +9,9 @@ from kvlab.workbook.viz.axes import _colour, _log2_axes, log_axis
 
 
 def plot_gantt(traces: dict[str, list], title: str = "requests over steps"):
-    """One row per request, a bar for every step it ran in; one panel per run.
+    """One row per request, one bar for each run of consecutive steps it ran in (a request
+    that ran from step 3 to step 9 is one bar, 3 to 10; a preempted request's bar breaks where
+    it waited); one panel per run.
 
     `traces` maps a run's name to its StepRecords (e.g. `BatchResult.steps`).
     """
@@ -22,15 +24,29 @@ def plot_gantt(traces: dict[str, list], title: str = "requests over steps"):
             for rid in rec.request_ids:
                 rows.setdefault(rid, []).append(rec.step - first)
         for y, (rid, xs) in enumerate(rows.items()):
-            ax.broken_barh([(x, 0.9) for x in xs], (y - 0.4, 0.8), color=_colour(y))
-        ax.set_yticks(range(len(rows)), list(rows), fontsize=8.5)
+            # Full-width bars, merged: a request's run reads as one bar, with no seam per step.
+            ax.broken_barh(_runs(xs), (y - 0.4, 0.8), color=_colour(y))
+        ax.set_yticks(range(len(rows)), list(rows), fontsize=9.5)
+        ax.tick_params(axis="x", labelsize=9.5)
         ax.invert_yaxis()
-        ax.set_title(f"{name}: {len(steps)} steps", fontsize=9)
+        ax.set_title(f"{name}: {len(steps)} steps", fontsize=10)
         ax.grid(axis="x", alpha=0.3)
-    axes[-1].set_xlabel("engine step")
-    fig.suptitle(title, fontsize=10)
+    axes[-1].set_xlabel("engine step", fontsize=10)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _runs(xs: list[int]) -> list[tuple[int, int]]:
+    """Consecutive step offsets merged into (start, length) bars: [0, 1, 2, 5, 6] -> [(0, 3),
+    (5, 2)]."""
+    bars: list[tuple[int, int]] = []
+    for x in sorted(xs):
+        if bars and bars[-1][0] + bars[-1][1] == x:
+            bars[-1] = (bars[-1][0], bars[-1][1] + 1)
+        else:
+            bars.append((x, 1))
+    return bars
 
 
 def plot_concurrency(rows: list[dict], key: str = "server"):
@@ -38,7 +54,7 @@ def plot_concurrency(rows: list[dict], key: str = "server"):
     measured at fewer levels than the others is dashed, and its legend names its levels (a line
     between two of its points is not a measurement at the levels in between). Whiskers: the
     range of tok/s over repeated runs, where there were several."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 4.0))  # room below for the legends
     names = list(dict.fromkeys(r[key] for r in rows))
     levels = {n: [r["concurrency"] for r in rows if r[key] == n] for n in names}
     every = set().union(*levels.values())
@@ -56,9 +72,10 @@ def plot_concurrency(rows: list[dict], key: str = "server"):
         else:
             ax1.plot(cs, [r["tok_s"] for r in pts], **style)
         ax2.plot(cs, [r["ttft_median_ms"] for r in pts], **{**style, "label": label})
-    # Both rise with concurrency, so the top left is empty: "best" can put the legend over the
-    # top point's whisker, which it does not count as data.
-    _concurrency_axes(fig, ax1, ax2, legend={"loc": "upper left"})
+    # Below each panel, not on it: at a readable size the legend spans most of a panel's width,
+    # and a series rising to the top right runs under it wherever it sits inside.
+    _concurrency_axes(fig, ax1, ax2, legend={"loc": "upper center", "bbox_to_anchor": (0.5, -0.2),
+                                             "frameon": False})
     return fig
 
 
@@ -69,7 +86,7 @@ def _concurrency_axes(fig, ax1, ax2, knee: int | None = None, legend: dict | Non
         if knee is not None:
             ax.axvline(knee, color="k", ls="--", lw=1,
                        label=f"knee: KV tokens / tokens per request = {knee} requests")
-        _log2_axes(ax, "concurrency", ylabel, legend=legend)
+        _log2_axes(ax, "concurrency", ylabel, legend=legend, legend_size=9)
     fig.tight_layout()
 
 
@@ -94,7 +111,7 @@ def plot_capacity(sweep: dict, control: dict | None = None):
         if r["preemptions"]:
             # Above and left of its point: the line rises to it from the left, so the label
             # clears the line and stays on the axes at the last point.
-            ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=8,
+            ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=9,
                          textcoords="offset points", xytext=(-6, 8), ha="right", va="bottom")
     # Below each panel, not on it: the lines rise and fall across the whole width and the
     # knee's dashed line crosses the middle, so no corner of the axes is reliably empty.
@@ -126,7 +143,7 @@ def plot_stall(runs: list):
     log_axis(ax.yaxis)
     # Beside the axes: the steps fill the whole frame, and "best" can only pick the emptiest
     # corner, which still touched the unchunked run's points.
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -137,7 +154,7 @@ def plot_gap_vs_budget(runs: list, prefill_tokens_per_s: float, decode_step_s: f
     one decode step, and the least-squares line through the chunked points."""
     chunked = [r for r in runs if r.budget is not None]
     xs = [r.budget for r in chunked]
-    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))  # room below for the legend
     ax.plot(xs, [1000 * r.max_gap for r in chunked], "o", label="measured max gap")
     grid = [0, max(xs)]
     ax.plot(grid, [1000 * (x / prefill_tokens_per_s + decode_step_s) for x in grid], "k--", lw=1,
@@ -153,7 +170,9 @@ def plot_gap_vs_budget(runs: list, prefill_tokens_per_s: float, decode_step_s: f
     ax.set_xlabel("max_num_batched_tokens (tokens per step)")
     ax.set_ylabel("worst decode gap (ms)")
     ax.set_title("Worst decode gap against the token budget", fontsize=10)
-    ax.legend(fontsize=7)
+    # Below the axes: at a readable size, inside it would cover the unchunked run's line or
+    # the points, whichever corner it took.
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
