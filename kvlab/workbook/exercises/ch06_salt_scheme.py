@@ -92,8 +92,9 @@ SALT_SCHEME = Exercise(
     ),
     full_version=(
         "kvlab serve's key mode (next section) derives the salt from the API key's tenant with "
-        "a server-side secret, and refuses a body's cache_salt outright; vLLM itself takes the "
-        "salt from the request body, so in front of vLLM it is a gateway's job. The salt "
+        "a server-side secret (what it does with a salt a client sends is the next section's "
+        "question); vLLM itself takes the salt from the request body, so in front of vLLM it "
+        "is a gateway's job. The salt "
         "closes the prefix-hit channel only: a tenant's long prefill still delays others "
         "(chapter 04), and a shared pool still evicts everyone's blocks."
     ),

@@ -289,9 +289,10 @@ def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
     allowed = [d for d, kl in kl_by_dtype.items() if kl <= max_kl]
     # Of those, the densest: the fewest bytes per token (scales included).
     dtype = min(allowed, key=lambda d: bytes_per_token[d])
-    # A request ends holding whole blocks: the pool must hold every request's blocks at once,
-    # and block 0, vLLM's null block, which is never handed out.
-    blocks = num_requests * -(-request_len // block_size) + 1
+    # A request ends holding whole blocks of K/V for all its tokens but the last one sampled
+    # (that token is returned, never fed back: chapter 01's p + N - 1); the pool must hold every
+    # request's blocks at once, and block 0, vLLM's null block, which is never handed out.
+    blocks = num_requests * -(-(request_len - 1) // block_size) + 1
     return {"kv_cache_dtype": dtype,
             "kv_cache_memory_bytes": blocks * block_size * bytes_per_token[dtype]}
 
@@ -339,7 +340,7 @@ def _challenge_arithmetic(impl) -> None:
                     kl_by_dtype=dict(kls), bytes_per_token=dict(_BPT))
         dtype, nbytes = _challenge_choice(impl, **work)
         best = choose_kv_cache(**work)
-        need = (n * -(-length // bs) + 1) * bs * _BPT[dtype]  # + the null block
+        need = (n * -(-(length - 1) // bs) + 1) * bs * _BPT[dtype]  # + the null block
         where = f"{n} requests of {length} tokens, blocks of {bs}, max_kl {bound:g}"
         if kls[dtype] > bound:
             raise Mismatch(f"a precision within max_kl ({where})",
@@ -451,7 +452,8 @@ CHALLENGE = Exercise(
     hint=(
         "First drop every precision whose KL is over max_kl. Of the rest, take the one with the "
         "fewest bytes per token. Then size the pool in whole blocks: "
-        "num_requests * ceil(request_len / block_size) blocks, plus one for block 0 (the null "
+        "num_requests * ceil((request_len - 1) / block_size) blocks (no K/V for the last token "
+        "sampled), plus one for block 0 (the null "
         "block), of block_size tokens each."
     ),
     solution=choose_kv_cache,
