@@ -232,18 +232,20 @@ BLOCK_HASHES = Exercise(
     chapter="05_prefix_caching",
     title="The block hash chain",
     prompt=(
-        "Write the keys prefix caching files blocks under: one per full block, each hashing its "
-        "parent's key, its own tokens and its extra keys, so that a key stands for the whole "
-        "prefix up to it. A cache salt must change every key of the request, and goes into as "
-        "few blocks' extra keys as that takes: decide which. The check compares your keys with "
-        "kvlab's, then runs the real engine with prefix caching on your keys."
+        "Write the keys under which prefix caching stores blocks: one per full block, each "
+        "hashing its parent's key, its own tokens and its extra keys, so that a key stands for "
+        "the whole prefix up to it. A cache salt must change every key of the request, and goes "
+        "into as few blocks' extra keys as that takes: decide which. The check compares your "
+        "keys with kvlab's, then runs the real engine with prefix caching on your keys."
     ),
     full_version=(
         "kvlab computes a request's keys incrementally (extend_block_hashes in "
-        "kvlab/prefix_cache.py): each block is hashed once, when it fills, including the blocks "
-        "its generated tokens fill, so a request that continues a conversation can hit them. The "
-        "hash is sha256 of a canonical encoding by default, like vLLM's prefix_caching_hash_algo,"
-        " and the salt's extra key is chapter 06's subject."
+        "kvlab/prefix_cache.py): a block's key is computed when its tokens are known and "
+        "entered in the cache when allocate_slots hands it out, the blocks its generated tokens "
+        "fill included, so a request that continues a conversation can hit them. The hash is "
+        "sha256 of a canonical encoding by default, like vLLM's sha256_cbor (vLLM's default, "
+        "sha256, pickles: vllm/utils/hashing.py), and the salt's extra key is chapter 06's "
+        "subject."
     ),
     stub=HASH_STUB,
     hint=(

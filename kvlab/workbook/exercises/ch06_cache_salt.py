@@ -38,9 +38,10 @@ STUB = '''import statistics
 
 
 def looks_cached(ttft, cold_ttfts, warm_ttfts):
-    """Return True if a request with this time to first token (seconds) looks like a prefix-
-    cache hit. cold_ttfts: B's own documents sent the first time (never cached); warm_ttfts: the
-    same documents sent again (cached). The calibration may contain an outlier (a pause).
+    """Return True if a request with this time to first token looks like a prefix-cache hit.
+    Times are in seconds (the calibration above printed milliseconds). cold_ttfts: the TTFTs of
+    B's own documents sent the first time (never cached); warm_ttfts: of the same documents sent
+    again (cached). The calibration may contain an outlier (a pause).
     Example: cold [0.20, 0.21, 0.19], warm [0.05, 0.04, 0.05]: looks_cached(0.05, ...) -> True,
     looks_cached(0.20, ...) -> False.
     """
