@@ -431,14 +431,8 @@ CHALLENGE = Exercise(
         "Choose kv_cache_dtype and kv_cache_memory_bytes for a burst that must run at once "
         "within an accuracy bound, in as few bytes as you can. Your function gets the KL and "
         "the bytes per token of every precision, measured as this chapter measures them; "
-        "within the bound means at most max_kl. Three more facts: the pool is counted in whole "
-        "blocks (`kv_cache_memory_bytes` is rounded down to whole blocks of the chosen "
-        "precision), block 0 of them is vLLM's null block, never handed out, and a request of p prompt tokens that generates N holds K/V for p + N - 1 "
-        "tokens (chapter 00); the check measures the KLs again, on three of the texts, and they "
-        "may differ a little from yours, so a precision right at the bound can land either side "
-        "of it. The check "
-        "measures your choice on the real model: the KL, the preemptions, and your bytes "
-        "against the fewest that do both."
+        "within the bound means at most max_kl. The check measures your choice on the real "
+        "model: the KL, the preemptions, and your bytes against the fewest that do both."
     ),
     full_version=(
         "A server does not know its burst in advance: vLLM sizes the pool from the memory left "
