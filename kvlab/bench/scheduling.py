@@ -216,18 +216,41 @@ def engine_overhead(num_requests: int = 64, input_len: int = 32, output_len: int
 
 # ---- chunked prefill (chapter 04) ----------------------------------------------------------
 
-def prefill_rate(lengths=(128, 256, 512, 1024), model: str | None = None) -> dict:
-    """Prefill tokens per second on this machine: one prompt per step, model time only."""
+def prefill_rate(lengths=(128, 256, 512, 1024), model: str | None = None,
+                 repeats: int = 3) -> dict:
+    """Prefill tokens per second on this machine: one prompt per step, model time only.
+
+    Each length is prefilled `repeats` times (after one warm-up) and keeps its fastest time:
+    anything else running on the machine can only add time to a step, never remove it, so one
+    busy moment does not drag the rate down. Also the fastest step that decodes one request
+    alone (`decode_step_s`, the whole step: schedule, forward, sample).
+
+    Returns {"points": [(length, seconds), ...], "tokens_per_s": sum of the lengths / sum of
+    their times, "decode_step_s": seconds}."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     llm = LLM(model, enable_prefix_caching=False, max_model_len=max(lengths) + 16, enable_chunked_prefill=False)
+    engine = llm.llm_engine
     tok = llm.get_tokenizer()
     sp = SamplingParams(max_tokens=1, temperature=0)
-    points = []
-    for i, n in enumerate((lengths[0], *lengths)):  # the first is a warm-up
+
+    def prefill_seconds(n: int) -> float:
+        first = engine.num_steps
         llm.generate({"prompt_token_ids": make_prompts(tok, 1, n, n)[0]}, sp)
-        if i:
-            points.append((n, llm.llm_engine.step_trace[-1].forward_time))
+        return min(r.forward_time for r in engine.step_trace
+                   if r.step > first and r.num_prefill_tokens == n)
+
+    prefill_seconds(lengths[0])  # warm-up
+    points = [(n, min(prefill_seconds(n) for _ in range(repeats))) for n in lengths]
     total_tokens = sum(n for n, _ in points)
-    return {"points": points, "tokens_per_s": round(total_tokens / sum(t for _, t in points), 1)}
+    first = engine.num_steps
+    decode_prompt = make_prompts(tok, 1, 32, 32)[0]
+    llm.generate({"prompt_token_ids": decode_prompt},
+                 SamplingParams(max_tokens=2 + 2 * repeats, temperature=0, ignore_eos=True))
+    decode_step = min(r.step_time for r in engine.step_trace
+                      if r.step > first and r.num_prefill_tokens == 0 and r.num_decode_tokens == 1)
+    return {"points": points, "tokens_per_s": round(total_tokens / sum(t for _, t in points), 1),
+            "decode_step_s": decode_step}
 
 
 @dataclass

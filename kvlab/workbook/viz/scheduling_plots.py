@@ -109,10 +109,13 @@ def plot_capacity(sweep: dict, control: dict | None = None):
             ax.margins(y=0.15)  # the hollow marker is often the highest point: not on the frame
     for c, r in zip(cs, rows):
         if r["preemptions"]:
-            # Above and left of its point: the line rises to it from the left, so the label
-            # clears the line and stays on the axes at the last point.
+            # Above and left of its point, tied to it by a short line: the line rises to it
+            # from the left, so the label clears the line and stays on the axes at the last
+            # point, and the tie keeps it from reading as the knee's label.
             ax2.annotate(f"{r['preemptions']:g} preempted", (c, r["ttft_median_ms"]), fontsize=9,
-                         textcoords="offset points", xytext=(-6, 8), ha="right", va="bottom")
+                         textcoords="offset points", xytext=(-10, 14), ha="right", va="bottom",
+                         arrowprops={"arrowstyle": "-", "lw": 0.8, "color": "0.3",
+                                     "shrinkA": 0, "shrinkB": 4})
     # Below each panel, not on it: the lines rise and fall across the whole width and the
     # knee's dashed line crosses the middle, so no corner of the axes is reliably empty.
     _concurrency_axes(fig, ax1, ax2, knee=sweep["predicted_knee"],
@@ -135,8 +138,14 @@ def plot_stall(runs: list):
         ax.plot(t, gaps + gaps[-1:], drawstyle="steps-post", lw=1.2, color=_colour(i),
                 label=f"{label}: max gap {1000 * run.max_gap:.0f} ms")
         ax.plot(t[1:], gaps, "o", ms=3, color=_colour(i))  # a dot where each token arrived
-        ax.axvline(run.insert_time, color=_colour(i), ls=":", lw=1)
-    ax.set_xlabel("seconds since the decoding request arrived (dotted: long prompt arrives)")
+    if runs:
+        # One line for every run: the prompt arrives after the same number of decode tokens in
+        # each, so their arrival times differ by a few milliseconds (one line per run, in each
+        # run's colour, drew three nearly overlapping lines).
+        arrivals = sorted(run.insert_time for run in runs)
+        ax.axvline(arrivals[len(arrivals) // 2], color="k", ls=":", lw=1,
+                   label="long prompt arrives")
+    ax.set_xlabel("seconds since the decoding request arrived")
     ax.set_ylabel("gap since the previous token (ms)")
     ax.set_title("One decoding request's gaps between tokens while a long prompt is prefilled",
                  fontsize=10)
