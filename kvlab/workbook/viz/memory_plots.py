@@ -187,9 +187,9 @@ def plot_sim(*results: SimResult):
         last = f"; none waits after step {waits[-1]:,}" if waits else "; none waits"
         name = _sim_label(res)
         ax1.plot(steps, res.running_per_step, ls=ls, lw=1.3, color=c,
-                 label=f"{name}: mean {res.mean_running:.1f}{last}")
+                 label=f"{name}: whole-run mean {res.mean_running:.1f}{last}")
         ax2.plot(steps, [u * 100 for u in res.utilisation_per_step], ls=ls, lw=1.3, color=c,
-                 label=f"{name}: mean {res.mean_utilisation:.0%}{last}")
+                 label=f"{name}: whole-run mean {res.mean_utilisation:.0%}{last}")
         for ax in (ax1, ax2):
             if res.num_steps:
                 ax.axvline(res.num_steps, color=c, ls=":", lw=1.2)
