@@ -57,3 +57,16 @@ def make_request(request_id: str, prompt_token_ids, *, max_tokens: int = 16,
                    sampling_params=sp, eos_token_ids=frozenset(eos_token_ids),
                    metrics=RequestMetrics(arrival_time=arrival_time), cache_salt=cache_salt,
                    priority=priority)
+
+
+def assert_no_text_under(figs: dict, points: float = 9) -> None:
+    """Every visible text of each figure (name -> Figure) at least `points` tall; closes them."""
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < points]
+        assert texts and not small, (name, small)
+        plt.close(fig)

@@ -53,6 +53,14 @@ SESSIONS: tuple[dict, ...] = (
 )
 
 
+# The paths as two cold readers timed them as participants (2026-12-06, reading, predicting,
+# writing the exercises, running the cells; minutes per chapter). The model above is a floor:
+# these are what a session's reserve must absorb, and what the readiness check leaves for
+# slower cells (kvlab/workbook/ready.py).
+COLD_READ_MINUTES = {"00": 35, "01": 23, "02": 31, "03": 42, "04": 25, "05": 24, "06": 30,
+                     "07": 19, "08": 25}
+
+
 def _source(cell) -> str:
     src = cell["source"]
     return src if isinstance(src, str) else "".join(src)

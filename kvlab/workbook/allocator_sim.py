@@ -76,6 +76,23 @@ def request_lengths(num_requests: int = 100, low: int = 10, high: int = 512, see
     return [rng.randint(low, high) for _ in range(num_requests)]
 
 
+def _checked_prompts(lengths, layout, max_len, prompt_lens, admission) -> list[int]:
+    """The prompts' lengths (one token each by default), after refusing arguments that make no
+    simulation: before any state is built."""
+    if layout not in ("contiguous", "paged"):
+        raise ValueError(f"layout must be 'contiguous' or 'paged', got {layout!r}")
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+    if max(lengths) > max_len:
+        raise ValueError(f"a length exceeds max_len={max_len}")
+    prompts = [1] * len(lengths) if prompt_lens is None else list(prompt_lens)
+    if len(prompts) != len(lengths) or any(not 1 <= p <= n for p, n in zip(prompts, lengths)):
+        raise ValueError("each request needs a prompt of 1 to its length tokens")
+    if admission == "one-block" and (layout != "paged" or prompt_lens is not None):
+        raise ValueError("the one-block rule is a paged rule, for one-token prompts")
+    return prompts
+
+
 def simulate(
     lengths: list[int],
     layout: str,
@@ -91,17 +108,7 @@ def simulate(
     later step computes one token. `admission` picks the paged rule (module docstring); the
     contiguous layout has one rule.
     """
-    if layout not in ("contiguous", "paged"):
-        raise ValueError(f"layout must be 'contiguous' or 'paged', got {layout!r}")
-    if admission not in ADMISSIONS:
-        raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
-    if max(lengths) > max_len:
-        raise ValueError(f"a length exceeds max_len={max_len}")
-    prompts = [1] * len(lengths) if prompt_lens is None else list(prompt_lens)
-    if len(prompts) != len(lengths) or any(not 1 <= p <= n for p, n in zip(prompts, lengths)):
-        raise ValueError("each request needs a prompt of 1 to its length tokens")
-    if admission == "one-block" and (layout != "paged" or prompt_lens is not None):
-        raise ValueError("the one-block rule is a paged rule, for one-token prompts")
+    prompts = _checked_prompts(lengths, layout, max_len, prompt_lens, admission)
     if admission == "one-block":
         return _simulate_one_block(lengths, total_slots, block_size)
     result = SimResult(layout, admission)

@@ -7,12 +7,13 @@ starts warm), runs a short decode benchmark (about ten seconds), reads the memor
 `READY` or `TOO SLOW` / `NOT ENOUGH MEMORY` with the measured threshold and what to do.
 
 The threshold is measured, not guessed. `reference.json` beside this file holds the machine that
-executed the committed notebooks: its score on the same benchmark, and per chapter the path's
-run time and the minutes its agenda slot leaves over its model (kvlab.workbook.agenda). A laptop
-k times slower than that machine runs each path's cells in k times their time; it is too slow
-when, for some chapter, that extra time no longer fits the slot:
-(k - 1) x path run time > slot - model. The memory needed is the largest chapter's measured peak
-(notebooks/timings.json) plus what JupyterLab and a browser tab take (BROWSER_MIB, an allowance).
+executed the committed notebooks: its score on the same benchmark, each path's run time there,
+and each session's reserve: three hours less the arrival, the break and its chapters as two
+cold readers timed them (kvlab.workbook.agenda.COLD_READ_MINUTES). A laptop k times slower than
+that machine runs each path's cells in k times their time; it is too slow when, for some
+session, that extra time no longer fits the reserve: (k - 1) x the session's path run time >
+reserve. The memory needed is the largest chapter's measured peak (notebooks/timings.json) plus
+what JupyterLab and a browser tab take (BROWSER_MIB, an allowance).
 
 `python -m kvlab.workbook.ready --record` (run alone, on the machine that executed the notebooks,
 after scripts/execute_notebooks.py) writes the reference's benchmark; the chapters' part is
@@ -39,13 +40,11 @@ CPU_TORCH = ("pip install torch==2.13.0 --index-url https://download.pytorch.org
 
 def available_mib() -> float | None:
     """Memory a new program can have (Linux MemAvailable; elsewhere psutil when installed)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    from kvlab.workbook.session import proc_mib
+
+    mib = proc_mib("/proc/meminfo", "MemAvailable")
+    if mib is not None:
+        return mib
     try:
         import psutil
     except ImportError:
@@ -78,14 +77,14 @@ def benchmark() -> dict:
 
 
 def threshold(reference: dict) -> tuple[float, str]:
-    """(the slowest score that keeps every chapter's path inside its slot, that chapter)."""
+    """(the slowest score at which every session still fits, the session that sets it)."""
     best_k, which = float("inf"), ""
-    for number, c in reference["chapters"].items():
-        if c["path_run_s"] <= 0:
+    for name, sess in reference["sessions"].items():
+        if sess["path_run_s"] <= 0:
             continue
-        k = 1 + 60 * c["slack_minutes"] / c["path_run_s"]
+        k = 1 + 60 * sess["reserve_minutes"] / sess["path_run_s"]
         if k < best_k:
-            best_k, which = k, number
+            best_k, which = k, name
     return reference["decode_tok_s"] / best_k, which
 
 
@@ -99,8 +98,8 @@ def verdict(score: dict, reference: dict, avail_mib: float | None) -> tuple[bool
                  f"{', '.join(f'{r:.0f}' for r in score['decode_tok_s_runs'])}); the workbook's "
                  f"machine ({reference['machine']}): {reference['decode_tok_s']:.0f}, so its "
                  f"cells run about {k:.1f}x as long here")
-    lines.append(f"too slow below {slowest:.0f} tokens/s: there chapter {chapter}'s cells no "
-                 f"longer fit its slot in the agenda")
+    lines.append(f"too slow below {slowest:.0f} tokens/s: there the paths' cells of {chapter}, "
+                 f"run that much longer, no longer fit its three hours")
     need = max(c["peak_mib"] for c in reference["chapters"].values()) + BROWSER_MIB
     enough = avail_mib is None or avail_mib >= need
     if avail_mib is None:
@@ -133,20 +132,25 @@ def torch_build_note() -> str | None:
 
 
 def chapters_part(notebooks: dict, timings: dict) -> dict:
-    """The reference's chapters and machine, from the notebooks (`notebooks`: chapter number ->
-    path) and notebooks/timings.json's content: each path's run time, its slot's slack over its
-    model, and the kernel's measured peak."""
+    """The reference's chapters, sessions and machine, from the notebooks (`notebooks`: chapter
+    number -> path) and notebooks/timings.json's content: each path's run time and its kernel's
+    measured peak; each session's paths' run time, and its reserve: three hours less the arrival,
+    the break and its chapters as the cold readers timed them (agenda.COLD_READ_MINUTES)."""
     from kvlab.workbook import agenda
 
     chapters = {}
     for number, path in notebooks.items():
-        c = agenda.chapter_clock(path)
         run = timings["notebooks"].get(Path(path).stem, {})
-        chapters[number] = {"path_run_s": c["path_run_s"],
-                            "slack_minutes": round(agenda.slot(c["model_minutes"])
-                                                   - c["model_minutes"], 1),
+        chapters[number] = {"path_run_s": agenda.chapter_clock(path)["path_run_s"],
                             "peak_mib": run.get("peak_mib", 0)}
-    return {"machine": timings["machine"], "chapters": chapters}
+    sessions = {}
+    for s in agenda.SESSIONS:
+        used = (agenda.ARRIVAL_MINUTES + agenda.BREAK_MINUTES
+                + sum(agenda.COLD_READ_MINUTES[n] for n in s["chapters"]))
+        sessions[s["name"]] = {
+            "path_run_s": round(sum(chapters[n]["path_run_s"] for n in s["chapters"]), 1),
+            "reserve_minutes": agenda.SESSION_MINUTES - used}
+    return {"machine": timings["machine"], "chapters": chapters, "sessions": sessions}
 
 
 def write_chapters_part(notebooks: dict, timings: dict, path: Path = REFERENCE) -> None:

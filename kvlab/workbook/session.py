@@ -39,15 +39,23 @@ def sized(full: T, small: T) -> T:
     return small if size() == "small" else full
 
 
-def resident_mib() -> float | None:
-    """This process's resident memory in MiB (Linux: /proc; elsewhere psutil when installed)."""
+def proc_mib(path: str, field: str) -> float | None:
+    """A `field: N kB` line of a Linux /proc file, in MiB; None where there is no such file."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
+    return None
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux: /proc; elsewhere psutil when installed)."""
+    mib = proc_mib("/proc/self/status", "VmRSS")
+    if mib is not None:
+        return mib
     try:
         import psutil
     except ImportError:

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvlab.workbook import allocator_sim, viz, widgets  # noqa: E402
 from kvlab.kv_cache import KVCacheManager  # noqa: E402
+from tests.helpers import assert_no_text_under  # noqa: E402
 
 
 def test_figures_draw():
@@ -93,8 +94,6 @@ def test_gantt_draws_a_run_of_steps_as_one_bar_and_labels_a_back_row_can_read():
 def test_chapter_03_and_04_figures_read_from_the_back_row():
     """Every text on the scheduling figures (03's Gantt chart, concurrency and capacity sweeps;
     04's decode gaps and gap against budget) is at least 9 pt."""
-    from matplotlib.text import Text
-
     from kvlab.bench.scheduling import StallRun
 
     from kvlab.metrics import StepRecord
@@ -112,12 +111,7 @@ def test_chapter_03_and_04_figures_read_from_the_back_row():
     stall = [StallRun(b, [0.0, 0.1, 0.5, 0.6], 0.15, 0.4, 0.4, 3) for b in (64, 128, None)]
     figs["stall"] = viz.plot_stall(stall)
     figs["gap"] = viz.plot_gap_vs_budget(stall, 500.0, 0.03, fit=(0.01, 0.002, 0.99))
-    for name, fig in figs.items():
-        fig.canvas.draw()
-        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
-        small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < 9]
-        assert texts and not small, (name, small)
-        plt.close(fig)
+    assert_no_text_under(figs)
 
 
 def test_prefix_figures_and_text():

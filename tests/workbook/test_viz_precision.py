@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.collections import PathCollection  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
-from matplotlib.text import Text  # noqa: E402
 
 from kvlab.workbook.viz import precision_plots as viz  # noqa: E402
+from tests.helpers import assert_no_text_under  # noqa: E402
 
 # The chapter's names as its cells pass them: the bfloat16 row is relabelled (a bfloat16 cache
 # comes with a bfloat16 model), and the weights' figure names the model's dtype.
@@ -131,12 +131,7 @@ def test_every_text_is_at_least_9_points():
             "capacity": viz.plot_capacity_by_dtype(CAP_ROWS),
             "weights": viz.plot_weights_dtype(WEIGHTS),
             "head scales": viz.plot_head_scales(torch.rand(20, 3) * 10, layer=10)}
-    for name, fig in figs.items():
-        fig.canvas.draw()
-        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
-        small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < 9]
-        assert texts and not small, (name, small)
-        plt.close(fig)
+    assert_no_text_under(figs)
 
 
 def test_an_unknown_dtype_has_no_colour_rather_than_a_borrowed_one():
