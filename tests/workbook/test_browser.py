@@ -272,11 +272,14 @@ def test_a_chapter_opens_with_going_further_folded(jupyterlab):
             heading = page.locator(".jp-MarkdownCell").filter(
                 has=page.locator("h2", has_text="Going further")).first
             heading.scroll_into_view_if_needed()
-            heading.locator(".jp-collapseHeadingButton.jp-mod-collapsed").wait_for(timeout=60_000)
+            # JupyterLab shows the arrow only on hover; its state is the class.
+            heading.locator(".jp-collapseHeadingButton.jp-mod-collapsed").wait_for(
+                state="attached", timeout=60_000)
             sub = page.locator(".jp-MarkdownCell h3", has_text=inside).first
             assert not sub.is_visible()
-            page.locator(".jp-MarkdownCell h2", has_text="Before the next chapter").first \
-                .wait_for(state="visible", timeout=30_000)
+            after = page.locator(".jp-MarkdownCell h2", has_text="Before the next chapter").first
+            after.wait_for(state="visible", timeout=30_000)
+            after.scroll_into_view_if_needed()  # the folded heading and the section after it
             page.screenshot(path=str(SCREENSHOT_DIR / "going_further_folded.png"))
             heading.locator(".jp-showHiddenCellsButton").click()
             sub.wait_for(state="visible", timeout=30_000)
