@@ -93,7 +93,7 @@ def block_size_section(work: Path) -> str:
     setup = next(i for i, c in enumerate(nb.cells)
                  if c.cell_type == "code" and "import kvlab" in c.source)
     start = next(i for i, c in enumerate(nb.cells)
-                 if c.source.startswith("## Explore: the block size"))
+                 if c.source.split("\n", 1)[0].endswith("Explore: the block size"))
     slider = next(i for i, c in enumerate(nb.cells) if "widgets.block_size_slider(" in c.source)
     nb.cells = nb.cells[:setup + 1] + nb.cells[start:slider + 1]
     name = "01_block_size_section.ipynb"

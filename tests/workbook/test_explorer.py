@@ -559,8 +559,8 @@ def test_the_picture_reads_on_a_projector():
     fig = draw_snapshot(snap)
     sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_text().strip()]
     sizes += [tick.label1.get_fontsize() for ax in fig.axes
-              for tick in ax.xaxis.get_major_ticks() if ax.xaxis.get_visible()]
-    assert min(sizes) >= FONT_PT >= 10
+              for tick in ax.xaxis.get_major_ticks() if ax.axison]  # axes drawn
+    assert min(sizes) >= FONT_PT >= 11
     pool, budget, _ = fig.axes
     owners = {t.get_gid(): t.get_text() for t in pool.texts if (t.get_gid() or "").startswith("owner-")}
     assert owners == {"owner-1": "a", "owner-2": "b"}  # the held blocks; shared shows "x2"

@@ -21,12 +21,13 @@ SHARED_COLOUR = "#37474f"  # a shared block belongs to several requests: no one 
 DECODE_COLOUR, PREFILL_COLOUR = "black", "white"
 COPY_EDGE = "magenta"  # a copied block's edge: no request colour (axes._colour) is magenta
 MAX_EVENTS_DRAWN = 12
-# The smallest type in the picture, in points: at the 100 dpi the notebook draws at, 10 points
-# are 14 px, so the text stays above 12 px on a 1280x720 projector where JupyterLab shows the
-# picture at about nine tenths of its size (tests/workbook/test_browser.py measures it).
-FONT_PT = 10
-LINE_PT = 14  # the text lines' spacing
-LEFT_WRAP, RIGHT_WRAP, RIGHT_X = 66, 44, 0.62  # characters a line, and where the right column starts
+# The smallest type in the picture, in points: at the 100 dpi the notebook draws at, 11 points
+# are 15 px, and JupyterLab at 1280x720 with its sidebar open shows the picture at about 0.86 of
+# its size: 13 px, over the 12 px a projector's back row needs (tests/workbook/test_browser.py
+# measures it; 10 points came to 11.97 px there).
+FONT_PT = 11
+LINE_PT = 15  # the text lines' spacing
+LEFT_WRAP, RIGHT_WRAP, RIGHT_X = 60, 40, 0.62  # characters a line, and where the right column starts
 
 
 def format_queues(snap: EngineSnapshot) -> str:
