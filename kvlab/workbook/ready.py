@@ -91,14 +91,14 @@ def threshold(reference: dict) -> tuple[float, str]:
 def verdict(score: dict, reference: dict, avail_mib: float | None) -> tuple[bool, list[str]]:
     """(ready, the lines to print) for a measured `score` against `reference`."""
     lines = []
-    slowest, chapter = threshold(reference)
+    slowest, session = threshold(reference)
     k = reference["decode_tok_s"] / score["decode_tok_s"]
     fast = score["decode_tok_s"] >= slowest
     lines.append(f"decode: {score['decode_tok_s']:.0f} tokens/s (runs: "
                  f"{', '.join(f'{r:.0f}' for r in score['decode_tok_s_runs'])}); the workbook's "
                  f"machine ({reference['machine']}): {reference['decode_tok_s']:.0f}, so its "
                  f"cells run about {k:.1f}x as long here")
-    lines.append(f"too slow below {slowest:.0f} tokens/s: there the paths' cells of {chapter}, "
+    lines.append(f"too slow below {slowest:.0f} tokens/s: there the paths' cells of {session}, "
                  f"run that much longer, no longer fit its three hours")
     need = max(c["peak_mib"] for c in reference["chapters"].values()) + BROWSER_MIB
     enough = avail_mib is None or avail_mib >= need

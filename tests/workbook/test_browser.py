@@ -59,9 +59,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 
 
 @contextlib.contextmanager
-def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str, width: int = 1400):
-    """Headless Chromium on `notebook` in JupyterLab with Run > Run All Cells clicked; yields
-    the page, saves a screenshot under SCREENSHOT_DIR if the body fails, closes the browser."""
+def notebook_open(jupyterlab, notebook: str, width: int, height: int, failure_png: str):
+    """Headless Chromium on `notebook` in JupyterLab, its cells drawn; yields the page, saves a
+    screenshot under SCREENSHOT_DIR if the body fails, closes the browser."""
     from playwright.sync_api import sync_playwright
 
     base, token = jupyterlab
@@ -72,16 +72,23 @@ def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str, w
         try:
             page.goto(f"{base}/lab/tree/{notebook}?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-Toolbar", timeout=60_000)
-            time.sleep(2)  # let the kernel connect
-            page.click("li.lm-MenuBar-item:has-text('Run')")
-            page.click(".lm-Menu-item:has-text('Run All Cells')")
             yield page
         except Exception:
             page.screenshot(path=str(SCREENSHOT_DIR / failure_png))
             raise
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def notebook_running(jupyterlab, notebook: str, height: int, failure_png: str, width: int = 1400):
+    """`notebook_open`, then Run > Run All Cells clicked."""
+    with notebook_open(jupyterlab, notebook, width, height, failure_png) as page:
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-Toolbar", timeout=60_000)
+        time.sleep(2)  # let the kernel connect
+        page.click("li.lm-MenuBar-item:has-text('Run')")
+        page.click(".lm-Menu-item:has-text('Run All Cells')")
+        yield page
 
 
 def block_size_section(work: Path) -> str:
@@ -130,29 +137,16 @@ def test_notebook_01_runs_and_the_slider_moves_the_output(jupyterlab, tmp_path):
 def test_chapter_00_opens_with_kvlab_source_folded_until_clicked(jupyterlab):
     """The committed chapter 00 shows its forward pass folded (`jupyter.outputs_hidden`): in
     the browser the cell shows a placeholder, not the code, until the reader clicks it."""
-    from playwright.sync_api import sync_playwright
-
-    base, token = jupyterlab
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{base}/lab/tree/00_the_model_and_its_kv_cache.ipynb?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            cell = page.locator(".jp-CodeCell").filter(
-                has_text="show_source(kvlab.model.Transformer.forward)").first
-            cell.scroll_into_view_if_needed()
-            placeholder = cell.locator(".jp-OutputPlaceholder")
-            placeholder.wait_for(state="visible", timeout=60_000)
-            assert "def forward" not in cell.inner_text()
-            placeholder.click()
-            cell.locator("text=def forward").first.wait_for(state="visible", timeout=30_000)
-        except Exception:
-            SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT_DIR / "notebook00_folded_failure.png"))
-            raise
-        finally:
-            browser.close()
+    with notebook_open(jupyterlab, "00_the_model_and_its_kv_cache.ipynb", 1400, 1000,
+                       "notebook00_folded_failure.png") as page:
+        cell = page.locator(".jp-CodeCell").filter(
+            has_text="show_source(kvlab.model.Transformer.forward)").first
+        cell.scroll_into_view_if_needed()
+        placeholder = cell.locator(".jp-OutputPlaceholder")
+        placeholder.wait_for(state="visible", timeout=60_000)
+        assert "def forward" not in cell.inner_text()
+        placeholder.click()
+        cell.locator("text=def forward").first.wait_for(state="visible", timeout=30_000)
 
 
 # A two-cell notebook: the explorer over a small engine holding two requests, then a cell that
@@ -252,8 +246,6 @@ def test_a_chapter_opens_with_going_further_folded(jupyterlab):
     cell's) stays on screen below it."""
     import json
 
-    from playwright.sync_api import sync_playwright
-
     from kvlab.workbook import agenda
 
     notebook = "03_continuous_batching.ipynb"
@@ -261,33 +253,21 @@ def test_a_chapter_opens_with_going_further_folded(jupyterlab):
     _, further = agenda.layers(nb)
     inside = next("".join(nb["cells"][i]["source"]).split("\n", 1)[0].lstrip("# ").strip()
                   for i in further[1:] if "".join(nb["cells"][i]["source"]).startswith("###"))
-    base, token = jupyterlab
-    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 720})
-        try:
-            page.goto(f"{base}/lab/tree/{notebook}?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            heading = page.locator(".jp-MarkdownCell").filter(
-                has=page.locator("h2", has_text="Going further")).first
-            heading.scroll_into_view_if_needed()
-            # JupyterLab shows the arrow only on hover; its state is the class.
-            heading.locator(".jp-collapseHeadingButton.jp-mod-collapsed").wait_for(
-                state="attached", timeout=60_000)
-            sub = page.locator(".jp-MarkdownCell h3", has_text=inside).first
-            assert not sub.is_visible()
-            after = page.locator(".jp-MarkdownCell h2", has_text="Before the next chapter").first
-            after.wait_for(state="visible", timeout=30_000)
-            after.scroll_into_view_if_needed()  # the folded heading and the section after it
-            page.screenshot(path=str(SCREENSHOT_DIR / "going_further_folded.png"))
-            heading.locator(".jp-showHiddenCellsButton").click()
-            sub.wait_for(state="visible", timeout=30_000)
-        except Exception:
-            page.screenshot(path=str(SCREENSHOT_DIR / "going_further_failure.png"))
-            raise
-        finally:
-            browser.close()
+    with notebook_open(jupyterlab, notebook, 1280, 720, "going_further_failure.png") as page:
+        heading = page.locator(".jp-MarkdownCell").filter(
+            has=page.locator("h2", has_text="Going further")).first
+        heading.scroll_into_view_if_needed()
+        # JupyterLab shows the arrow only on hover; its state is the class.
+        heading.locator(".jp-collapseHeadingButton.jp-mod-collapsed").wait_for(
+            state="attached", timeout=60_000)
+        sub = page.locator(".jp-MarkdownCell h3", has_text=inside).first
+        assert not sub.is_visible()
+        after = page.locator(".jp-MarkdownCell h2", has_text="Before the next chapter").first
+        after.wait_for(state="visible", timeout=30_000)
+        after.scroll_into_view_if_needed()  # the folded heading and the section after it
+        page.screenshot(path=str(SCREENSHOT_DIR / "going_further_folded.png"))
+        heading.locator(".jp-showHiddenCellsButton").click()
+        sub.wait_for(state="visible", timeout=30_000)
 
 
 def test_the_explorer_reads_on_a_projector(jupyterlab, tmp_path):
