@@ -241,11 +241,13 @@ def alt_quantize_int8(x):
     return torch.trunc(y + 0.5 * torch.sign(y)).to(torch.int8), scale
 
 
-def alt_choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+def alt_choose_kv_cache(num_requests, prompt_len, output_len, block_size, max_kl, kl_by_dtype,
                         bytes_per_token):
+    """A margin: room for the last token's K/V too (one slot more than a request is given)."""
     ok = sorted((bytes_per_token[d], d) for d, kl in kl_by_dtype.items() if kl <= max_kl)
     dtype = ok[0][1]
-    tokens = (num_requests * math.ceil(request_len / block_size) + 1) * block_size  # + block 0
+    per_request = math.ceil((prompt_len + output_len) / block_size)
+    tokens = (num_requests * per_request + 1) * block_size  # + block 0
     return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes": tokens * bytes_per_token[dtype]}
 
 

@@ -9,6 +9,7 @@ on other bursts, then on the real model in both layouts with the participant's p
 
 from __future__ import annotations
 
+from kvlab.kv_sizing import blocks_held, cdiv, pool_tokens
 from kvlab.workbook.exercises import _real_engine
 from kvlab.workbook.exercises._challenge import _pool_tokens, _run, _within
 from kvlab.workbook.exercises._common import Case, Exercise, Mismatch
@@ -29,8 +30,9 @@ def kv_pool_for(prompt_lens, output_len, block_size, max_model_len):
     # Contiguous reserves a region of max_model_len for each request from its first token
     # (whole blocks). Paged holds whole blocks of what each request has computed: its prompt
     # and every new token but the last, whose K/V no step computes (nothing comes after it).
-    region = -(-max_model_len // block_size) * block_size  # -(-a // b): a / b rounded up
-    paged = sum(-(-(p + output_len - 1) // block_size) for p in prompt_lens) * block_size
+    region = pool_tokens(cdiv(max_model_len, block_size), block_size)
+    paged = pool_tokens(sum(blocks_held(p, output_len, block_size) for p in prompt_lens),
+                        block_size)
     return {"contiguous": len(prompt_lens) * region, "paged": paged}
 
 
@@ -125,6 +127,7 @@ KV_POOL_SIZE = Exercise(
         "last new token?"
     ),
     solution=kv_pool_for,
+    imports="from kvlab.kv_sizing import blocks_held, cdiv, pool_tokens",
     cases=[
         Case("four other bursts, by the arithmetic", _pool_arithmetic,
              "Count whole blocks per request, then tokens: blocks x block_size."),

@@ -9,6 +9,7 @@ prompts, then on the real model in the participant's pool beside the smallest
 
 from __future__ import annotations
 
+from kvlab.kv_sizing import blocks_held, pool_tokens
 from kvlab.workbook.exercises import _real_engine
 from kvlab.workbook.exercises._challenge import _pool_tokens, _run, _within
 from kvlab.workbook.exercises._common import Case, Exercise, Mismatch
@@ -25,17 +26,15 @@ def fork_pool_for(prompt_len, n, max_tokens, block_size):
     # The prompt's full blocks are shared by every sample, once. Its partly filled last block
     # is shared too until each sample's first write copies it, so every sample ends with its
     # own copy of it, plus the blocks it fills itself. A sample's last token has no K/V.
-    if max_tokens == 1:  # the one token comes from the prefill: no sample writes, none copies
-        return -(-prompt_len // block_size) * block_size  # -(-a // b): a / b rounded up
     shared = prompt_len // block_size
-    own = -(-(prompt_len + max_tokens - 1) // block_size) - shared
-    return (shared + n * own) * block_size
+    own = blocks_held(prompt_len, max_tokens, block_size) - shared
+    return pool_tokens(shared + n * own, block_size)
 
 
 FORK_POOL_STUB = '''def fork_pool_for(prompt_len, n, max_tokens, block_size):
     """Return the smallest kv_cache_tokens in which SamplingParams(n=n, max_tokens=max_tokens)
-    on one prompt_len-token prompt runs to its end, forked (parallel_sampling="fork"), with
-    nothing preempted. The check runs 6 samples of a 40-token prompt on the real model with
+    (max_tokens >= 2) on one prompt_len-token prompt runs to its end, forked
+    (parallel_sampling="fork"), with nothing preempted. The check runs 6 samples of a 40-token prompt on the real model with
     your pool: a pool too small preempts, and one more than 10% above the smallest that works
     fails."""
     raise NotImplementedError("your turn")
@@ -49,7 +48,7 @@ def _fork_pool(impl, **workload) -> int:
 def _fork_arithmetic(impl) -> None:
     """Other prompts, sample counts and block sizes: full and partial last blocks, one sample."""
     # The last two end exactly on a block edge and one token past it.
-    for L, n, T, bs in [(32, 4, 8, 16), (10, 3, 30, 8), (100, 2, 1, 32), (47, 1, 17, 16),
+    for L, n, T, bs in [(32, 4, 8, 16), (10, 3, 30, 8), (100, 2, 2, 32), (47, 1, 17, 16),
                         (64, 8, 64, 16), (16, 4, 17, 16), (20, 3, 14, 16)]:
         _within(_fork_pool(impl, prompt_len=L, n=n, max_tokens=T, block_size=bs),
                 fork_pool_for(L, n, T, bs), f"a {L}-token prompt, n={n}, max_tokens={T}, "
@@ -107,9 +106,10 @@ FORK_POOL_SIZE = Exercise(
     hint=(
         "Which of the prompt's blocks do the samples share to the end, and which does every "
         "sample end up holding its own copy of? Then count the blocks each sample fills itself "
-        "(its last token has no K/V). And if max_tokens is 1, does any sample write at all?"
+        "(its last token has no K/V)."
     ),
     solution=fork_pool_for,
+    imports="from kvlab.kv_sizing import blocks_held, pool_tokens",
     cases=[
         Case("seven other prompts, sample counts and block sizes, by the arithmetic",
              _fork_arithmetic, "Full prompt blocks once; the partial one once per sample."),

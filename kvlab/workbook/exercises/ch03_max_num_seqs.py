@@ -10,22 +10,27 @@ from __future__ import annotations
 
 import time
 
+from kvlab.kv_sizing import blocks_held, requests_at_once, usable_blocks
 from kvlab.workbook.exercises import _real_engine
 from kvlab.workbook.exercises._common import Case, Exercise, Mismatch, positive_int
 from kvlab.sampling import RequestOutputKind, SamplingParams
 
 
-BURST = dict(num_requests=16, prompt_len=24, output_len=8)
+# Each request's prompt fits in 2 blocks and its end in 3: a request admitted with its prompt's
+# blocks still needs one more before it finishes, so a limit above what the pool holds to the
+# end shows as preemptions, not only as requests left waiting at admission.
+BURST = dict(num_requests=16, prompt_len=20, output_len=20)
 POOL = dict(kv_cache_tokens=256, block_size=16, max_model_len=64)
 
 
 def choose_max_num_seqs(kv_cache_tokens, block_size, prompt_len, output_len):
     """The largest number of requests whose whole KV fits in the pool at once."""
-    # A request ends holding prompt + output tokens, in whole blocks; the pool holds
-    # kv_cache_tokens // block_size blocks. Past that many running requests, someone must be
-    # preempted before it finishes ([KV-Anatomy]: concurrency near KV tokens / request length).
-    blocks_per_request = -(-(prompt_len + output_len) // block_size)
-    return max(1, (kv_cache_tokens // block_size) // blocks_per_request)
+    # A request ends holding whole blocks of K/V for its prompt and every new token but the last
+    # (kvlab/kv_sizing.py: the rule chapter 01 counted). Past as many running requests as the
+    # pool's blocks hold at their end, someone must be preempted before it finishes
+    # ([KV-Anatomy]: concurrency near KV tokens / request length). One seat at least.
+    blocks = usable_blocks(kv_cache_tokens, block_size)
+    return max(1, requests_at_once(blocks, prompt_len, output_len, block_size))
 
 
 MAX_NUM_SEQS_STUB = '''def choose_max_num_seqs(kv_cache_tokens, block_size, prompt_len, output_len):
@@ -75,7 +80,10 @@ def _max_num_seqs_arithmetic(impl) -> None:
             raise Mismatch(f"between {-(-8 * best // 10)} and {best} for a {kv}-token pool, "
                            f"blocks of {bs}, requests of {p} + {o} tokens",
                            f"{got}: " + ("some would be preempted before they finish"
-                                         if got > best else "KV room left for more requests"))
+                                         if got > best else "KV room left for more requests"),
+                           f"the pool hands out {usable_blocks(kv, bs)} blocks, and at its last "
+                           f"step a request holds {blocks_held(p, o, bs)}: K/V for its prompt "
+                           "and every new token but the last (chapter 01), in whole blocks")
 
 
 def _max_num_seqs_measured(impl) -> None:
@@ -128,16 +136,18 @@ MAX_NUM_SEQS = Exercise(
     ),
     stub=MAX_NUM_SEQS_STUB,
     hint=(
-        "A request ends holding prompt_len + output_len tokens, in whole blocks: "
-        "ceil((prompt_len + output_len) / block_size). How many such requests fit in "
-        "kv_cache_tokens // block_size blocks?"
+        "How many tokens' K/V does one request hold at its last step (chapter 01 counted it, "
+        "for its challenge)? In whole blocks, how many such requests fit in the pool's blocks "
+        "at once?"
     ),
     solution=choose_max_num_seqs,
+    imports="from kvlab.kv_sizing import requests_at_once, usable_blocks",
     cases=[
         Case("five other pools and request lengths, by the arithmetic", _max_num_seqs_arithmetic,
              "Count blocks, not tokens: a request's last block is whole even when half full."),
-        Case("real model: 16 requests of 24 + 8 tokens in a 256-token pool, yours beside the "
-             "best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above.",
+        Case(f"real model: {BURST['num_requests']} requests of {BURST['prompt_len']} + "
+             f"{BURST['output_len']} tokens in a {POOL['kv_cache_tokens']}-token pool, yours "
+             "beside the best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above.",
              real_model=True, timeout_s=600),
     ],
 )

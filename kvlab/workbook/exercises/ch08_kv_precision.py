@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvlab.kv_sizing import blocks_held, pool_bytes
 from kvlab.workbook.exercises import _real_engine
 from kvlab.workbook.exercises._common import Case, Exercise, Mismatch
 
@@ -282,7 +283,7 @@ BURST = dict(num_requests=16, prompt_len=68, output_len=32, block_size=16)
 MAX_KL = 2e-3  # nats; measured here: int8_per_token_head ~8e-4, fp8_per_token_head ~5e-3
 
 
-def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
+def choose_kv_cache(num_requests, prompt_len, output_len, block_size, max_kl, kl_by_dtype,
                     bytes_per_token):
     """The fewest bytes that hold the whole burst at once, at a precision within the bound."""
     # Accuracy first: only precisions whose measured KL stays within the bound.
@@ -290,18 +291,18 @@ def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
     # Of those, the densest: the fewest bytes per token (scales included).
     dtype = min(allowed, key=lambda d: bytes_per_token[d])
     # A request ends holding whole blocks of K/V for all its tokens but the last one sampled
-    # (that token is returned, never fed back: chapter 01's p + N - 1); the pool must hold every
-    # request's blocks at once, and block 0, vLLM's null block, which is never handed out.
-    blocks = num_requests * -(-(request_len - 1) // block_size) + 1
+    # (that token is returned, never fed back: chapter 01's p + N - 1); the bytes must hold
+    # every request's blocks at once, and block 0, vLLM's null block, never handed out.
+    blocks = num_requests * blocks_held(prompt_len, output_len, block_size)
     return {"kv_cache_dtype": dtype,
-            "kv_cache_memory_bytes": blocks * block_size * bytes_per_token[dtype]}
+            "kv_cache_memory_bytes": pool_bytes(blocks, block_size, bytes_per_token[dtype])}
 
 
-CHALLENGE_STUB = '''def choose_kv_cache(num_requests, request_len, block_size, max_kl, kl_by_dtype,
-                    bytes_per_token):
+CHALLENGE_STUB = '''def choose_kv_cache(num_requests, prompt_len, output_len, block_size, max_kl,
+                    kl_by_dtype, bytes_per_token):
     """Return {"kv_cache_dtype": ..., "kv_cache_memory_bytes": ...} for a burst of num_requests
-    requests of request_len tokens each (prompt and output), blocks of block_size tokens, all
-    running at once.
+    requests, each a prompt_len-token prompt and output_len new tokens, blocks of block_size
+    tokens, all running at once.
     kl_by_dtype: each kv_cache_dtype's mean KL from the full-precision cache (nats), as this
     chapter measured it; bytes_per_token: each one's bytes per token. The burst must run with
     nothing preempted, the chosen precision's KL must stay within max_kl, and the check counts
@@ -334,14 +335,14 @@ def _challenge_arithmetic(impl) -> None:
     kls = {"auto": 0.0, "fp8_e4m3": 3e-3, "fp8_e5m2": 2e-2,
            "fp8_per_token_head": 8e-4, "int8_per_token_head": 1e-4,
            "int4_per_token_head": 5e-2}
-    for n, length, bs, bound in [(8, 100, 16, 1e-3), (4, 64, 16, 1e-1), (10, 33, 8, 1e-5),
-                                 (3, 50, 32, 0.0), (6, 200, 16, 5e-3)]:
-        work = dict(num_requests=n, request_len=length, block_size=bs, max_kl=bound,
+    for n, p, o, bs, bound in [(8, 80, 20, 16, 1e-3), (4, 60, 4, 16, 1e-1), (10, 23, 10, 8, 1e-5),
+                               (3, 45, 5, 32, 0.0), (6, 150, 50, 16, 5e-3)]:
+        work = dict(num_requests=n, prompt_len=p, output_len=o, block_size=bs, max_kl=bound,
                     kl_by_dtype=dict(kls), bytes_per_token=dict(_BPT))
         dtype, nbytes = _challenge_choice(impl, **work)
         best = choose_kv_cache(**work)
-        need = (n * -(-(length - 1) // bs) + 1) * bs * _BPT[dtype]  # + the null block
-        where = f"{n} requests of {length} tokens, blocks of {bs}, max_kl {bound:g}"
+        need = pool_bytes(n * blocks_held(p, o, bs), bs, _BPT[dtype])
+        where = f"{n} requests of {p} + {o} tokens, blocks of {bs}, max_kl {bound:g}"
         if kls[dtype] > bound:
             raise Mismatch(f"a precision within max_kl ({where})",
                            f"{dtype}, whose KL is {kls[dtype]:g}")
@@ -397,8 +398,8 @@ def _challenge_measured(impl) -> str:
         for d in CHALLENGE_DTYPES}
     kls = measured_kls()
     b = BURST
-    work = dict(num_requests=b["num_requests"], request_len=b["prompt_len"] + b["output_len"],
-                block_size=b["block_size"], max_kl=MAX_KL, kl_by_dtype=dict(kls),
+    work = dict(num_requests=b["num_requests"], prompt_len=b["prompt_len"],
+                output_len=b["output_len"], block_size=b["block_size"], max_kl=MAX_KL, kl_by_dtype=dict(kls),
                 bytes_per_token=dict(bpt))
     dtype, nbytes = _challenge_choice(impl, **work)
     best = choose_kv_cache(**work)
@@ -411,9 +412,11 @@ def _challenge_measured(impl) -> str:
     if kls[dtype] > MAX_KL:
         raise Mismatch(f"a precision whose KL stays within {MAX_KL:g} nats", verdict,
                        "the bytes saved are paid for in next-token distributions")
-    if mine["preemptions"] > 0:
-        raise Mismatch("no preemption", verdict, "the pool holds fewer requests than the burst"
-                       ": each preempted one is recomputed")
+    if mine["preemptions"] > 0 or mine["peak_running"] < b["num_requests"]:
+        raise Mismatch("every request running at once, none preempted", verdict,
+                       "the pool holds fewer requests than the burst: a request holds whole "
+                       "blocks of K/V for its prompt and every new token but the last (chapter "
+                       "01), and the pool's block 0, the null block, is never handed out")
     ratio = nbytes / best["kv_cache_memory_bytes"]
     if ratio > 1.25:
         raise Mismatch("at most 25% more bytes than the fewest that do both", verdict,
@@ -445,12 +448,12 @@ CHALLENGE = Exercise(
     stub=CHALLENGE_STUB,
     hint=(
         "First drop every precision whose KL is over max_kl. Of the rest, take the one with the "
-        "fewest bytes per token. Then size the pool in whole blocks: "
-        "num_requests * ceil((request_len - 1) / block_size) blocks (no K/V for the last token "
-        "sampled), plus one for block 0 (the null "
-        "block), of block_size tokens each."
+        "fewest bytes per token. Then size the pool in whole blocks: how many does one request "
+        "hold at its last step (chapter 01's count)? And which block of the pool is never "
+        "handed out to any request?"
     ),
     solution=choose_kv_cache,
+    imports="from kvlab.kv_sizing import blocks_held, pool_bytes",
     cases=[
         Case("five other workloads and bounds, by the arithmetic", _challenge_arithmetic,
              "Filter by the bound, then the fewest bytes, then whole blocks and the null block."),
