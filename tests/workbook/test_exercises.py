@@ -592,6 +592,10 @@ BUGS = [
     ("salt_scheme", lambda tenant, requested_salt: requested_salt or tenant, "stolen"),
     ("salt_scheme", lambda tenant, requested_salt: "shared", "stolen"),
     ("salt_scheme", lambda tenant, requested_salt: "", "non-empty str"),
+    # Glued parts: one tenant's name and salt spell another's (issue: prefix-sharing names).
+    ("salt_scheme", lambda tenant, requested_salt: tenant + (requested_salt or ""), "look-alike"),
+    ("salt_scheme", lambda tenant, requested_salt: f"{tenant}:{requested_salt or ''}",
+     "look-alike"),
     ("kv_pool_size", lambda prompt_lens, output_len, block_size, max_model_len: {
         "contiguous": len(prompt_lens) * max_model_len,
         "paged": sum(-(-(p + output_len) // block_size) for p in prompt_lens) * block_size},

@@ -24,7 +24,8 @@ def cache_salt_for(tenant, requested_salt):
 
 SALT_STUB = '''def cache_salt_for(tenant, requested_salt):
     """Return the cache_salt (a str) your server attaches to a request. tenant: who sent it,
-    as the server authenticated it (from the API key; the client cannot forge it).
+    as the server authenticated it (from the API key; the client cannot forge it), any string
+    the operator registered (one tenant's name may begin with another's).
     requested_salt: the "cache_salt" the request's body carries, or None; the client chose it,
     and an attacker may have read another tenant's salt string and sent it. The check sends
     documents as two tenants on the real model and counts the cached tokens each one gets."""
@@ -47,7 +48,7 @@ def _salt_returns_strings(impl) -> None:
 def _salt_measured(impl) -> None:
     from kvlab.engine import LLM
 
-    docs = _real_engine.prompt_ids([64, 64, 64, 64], offset=3)
+    docs = _real_engine.prompt_ids([64] * 7, offset=3)
     sp = SamplingParams(max_tokens=1, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)
     with _real_engine.one_thread():
         llm = LLM(block_size=16, kv_cache_tokens=2048, max_model_len=128,
@@ -65,7 +66,15 @@ def _salt_measured(impl) -> None:
                    ("tenant-b", "a-secret"), False),
                   ("tenant B sends no salt", ("tenant-a", None), ("tenant-b", None), False),
                   ("tenant B sends A's tenant name as its salt", ("tenant-a", None),
-                   ("tenant-b", "tenant-a"), False)]
+                   ("tenant-b", "tenant-a"), False),
+                  # Two (tenant, salt) pairs that run together into one string: a scheme that
+                  # glues the parts (with or without a separator) lets one spell the other.
+                  ("tenant 'tenant-a1' sends no salt; A had sent '1'", ("tenant-a", "1"),
+                   ("tenant-a1", None), False),
+                  ("tenant 'tenant' sends '-a1'; A had sent '1'", ("tenant-a", "1"),
+                   ("tenant", "-a1"), False),
+                  ("tenant 'tenant-a:x' sends 'y'; A had sent 'x:y'", ("tenant-a", "x:y"),
+                   ("tenant-a:x", "y"), False)]
         for doc, (what, first, second, may_hit) in zip(docs, scenes):
             send(doc, *first)
             rows.append((what, send(doc, *second), may_hit))
@@ -75,7 +84,10 @@ def _salt_measured(impl) -> None:
             raise Mismatch(f"{what}: cache hits (a tenant keeps its own reuse)",
                            "0 cached tokens", report)
         if not may_hit and cached > 0:
-            raise Mismatch(f"{what}: 0 cached tokens", f"{cached} cached tokens", report)
+            raise Mismatch(f"{what}: 0 cached tokens", f"{cached} cached tokens", report
+                           + ". The salt is one string hashed into the first block's key "
+                           "(chapter 06): two requests whose salts are equal share blocks, "
+                           "whatever parts each salt was built from")
     return report
 
 
@@ -107,7 +119,8 @@ SALT_SCHEME = Exercise(
     cases=[
         Case("a non-empty str for every request", _salt_returns_strings,
              "Return a string: the salt the engine hashes into block 0's key."),
-        Case("real model: own hits kept, a stolen or guessed salt opens nothing", _salt_measured,
+        Case("real model: own hits kept, a stolen, guessed or look-alike salt opens nothing",
+             _salt_measured,
              "The attacker writes the request body; the tenant comes from the API key.",
              real_model=True, timeout_s=300),
     ],
