@@ -1,0 +1,158 @@
+"""Goodput under an SLO: a workload of Poisson arrivals replayed through an engine, and the
+requests per second that met their latency bounds (chapter 07's tuning lab).
+
+The definitions follow vLLM's benchmark (`vllm bench serve --goodput ttft:MS tpot:MS`,
+vllm/benchmarks/serve.py): a request is good when each of its measures is within its bound, and
+goodput is the good requests over the run's duration. The measures: TTFT (arrival to first
+token), TPOT (the mean time per output token after the first), and one vLLM's goodput does not
+take, the request's worst inter-token gap: a stream that stalls for a long prefill chunk once
+(chapter 04) can keep a good TPOT, because TPOT averages the stall away.
+
+The replay runs on a virtual clock: each engine step advances it by the step's measured wall
+time, and an idle engine jumps to the next arrival instead of sleeping. So the latencies are the
+engine's real step times, in the order a server would see them, without the idle seconds a
+real-time replay would wait through. (On a GPU the forward overlaps the host's work; here each
+step's time is simply what it took.)
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from kvlab.sampling import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests drawn from stated distributions, with Poisson arrivals (fixed by `seed`)."""
+
+    num_requests: int
+    rate: float  # requests per second (Poisson: exponential gaps)
+    short_prompt: tuple[int, int]  # prompt lengths, uniform in [lo, hi]
+    long_prompt: tuple[int, int]
+    long_share: float  # the share of requests with a long prompt (documents)
+    output_len: tuple[int, int]
+    seed: int = 0
+
+    def requests(self, vocab_size: int) -> list[dict]:
+        """arrival_s, prompt_token_ids and output_len for each request, in arrival order. The
+        prompts are random token ids: no two share a prefix, so no prefix-cache hit blurs the
+        latencies."""
+        rng = random.Random(self.seed)
+        clock, out = 0.0, []
+        for i in range(self.num_requests):
+            if i:
+                clock += rng.expovariate(self.rate)
+            lo, hi = self.long_prompt if rng.random() < self.long_share else self.short_prompt
+            n = rng.randint(lo, hi)
+            out.append({"arrival_s": clock,
+                        "prompt_token_ids": [rng.randrange(1000, vocab_size) for _ in range(n)],
+                        "output_len": rng.randint(*self.output_len)})
+        return out
+
+    def max_len(self) -> int:
+        return max(self.short_prompt[1], self.long_prompt[1]) + self.output_len[1]
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Bounds per request, in seconds; None: not bounded."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    max_gap_s: float | None = None
+
+    def met(self, row: dict) -> bool:
+        return all(bound is None or row[key] <= bound for key, bound in
+                   (("ttft_s", self.ttft_s), ("tpot_s", self.tpot_s),
+                    ("max_gap_s", self.max_gap_s)))
+
+
+@dataclass
+class Replay:
+    rows: list[dict]  # per request: arrival_s, ttft_s, tpot_s, e2e_s, output_tokens
+    duration_s: float  # first arrival to last token, on the virtual clock
+    preemptions: int
+    steps: int
+    tokens: list[list[int]] = field(repr=False, default_factory=list)
+
+    def goodput(self, slo: SLO) -> float:
+        return sum(slo.met(r) for r in self.rows) / self.duration_s
+
+    def summary(self, slo: SLO) -> dict:
+        ttft = sorted(r["ttft_s"] for r in self.rows)
+        tpot = sorted(r["tpot_s"] for r in self.rows)
+        gaps = sorted(r["max_gap_s"] for r in self.rows)
+        return {"goodput": round(self.goodput(slo), 3),
+                "met": sum(slo.met(r) for r in self.rows), "of": len(self.rows),
+                "p50_ttft_s": round(statistics.median(ttft), 3),
+                "p99_ttft_s": round(percentile(ttft, 99), 3),
+                "p50_tpot_ms": round(1000 * statistics.median(tpot), 1),
+                "p99_tpot_ms": round(1000 * percentile(tpot, 99), 1),
+                "p50_max_gap_ms": round(1000 * statistics.median(gaps), 1),
+                "p99_max_gap_ms": round(1000 * percentile(gaps, 99), 1),
+                "duration_s": round(self.duration_s, 2), "preemptions": self.preemptions}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The q-th percentile by linear interpolation (numpy's default)."""
+    k = (len(sorted_values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def replay(llm, workload: Workload, max_steps: int = 100_000) -> Replay:
+    """Run `workload` through `llm` (a kvlab LLM) to the end on the virtual clock."""
+    engine = llm.llm_engine
+    reqs = workload.requests(llm.get_tokenizer().vocab_size)
+    ids = [f"goodput-{engine.num_requests_added + i}" for i in range(len(reqs))]
+    first_preemptions = llm.stats()["num_preemptions"]
+    seen: dict[str, dict] = {}
+    clock, nxt, steps = 0.0, 0, 0
+    while steps < max_steps:
+        while nxt < len(reqs) and reqs[nxt]["arrival_s"] <= clock:
+            r = reqs[nxt]
+            sp = SamplingParams(max_tokens=r["output_len"], temperature=0, ignore_eos=True,
+                                output_kind=RequestOutputKind.CUMULATIVE)
+            engine.add_request(ids[nxt], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
+            seen[ids[nxt]] = {"arrival_s": r["arrival_s"], "first": None, "last": None,
+                              "n": 0, "gap": 0.0, "tokens": []}
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            if nxt == len(reqs):
+                break
+            clock = max(clock, reqs[nxt]["arrival_s"])  # idle: jump to the next arrival
+            continue
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        clock += time.perf_counter() - t0
+        steps += 1
+        for out in outputs:
+            s = seen.get(out.request_id)
+            if s is None:
+                continue
+            toks = out.outputs[0].token_ids
+            if len(toks) > s["n"]:
+                if s["first"] is None:
+                    s["first"] = clock
+                else:
+                    s["gap"] = max(s["gap"], clock - s["last"])
+                s["last"], s["n"], s["tokens"] = clock, len(toks), list(toks)
+    else:
+        raise RuntimeError(f"the workload did not finish in {max_steps} steps")
+    rows = []
+    for rid in ids:
+        s = seen[rid]
+        ttft = s["first"] - s["arrival_s"]
+        tpot = (s["last"] - s["first"]) / (s["n"] - 1) if s["n"] > 1 else 0.0
+        rows.append({"arrival_s": s["arrival_s"], "ttft_s": ttft, "tpot_s": tpot,
+                     "max_gap_s": s["gap"], "e2e_s": s["last"] - s["arrival_s"],
+                     "output_tokens": s["n"]})
+    duration = max(seen[r]["last"] for r in ids) - reqs[0]["arrival_s"]
+    return Replay(rows=rows, duration_s=duration,
+                  preemptions=llm.stats()["num_preemptions"] - first_preemptions, steps=steps,
+                  tokens=[seen[r]["tokens"] for r in ids])
