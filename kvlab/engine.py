@@ -139,6 +139,10 @@ class LLMEngine:
         """Have `observer` hear of every step from now on (after the engine's own StepLog)."""
         self.observers.append(observer)
 
+    def remove_observer(self, observer: StepObserver) -> None:
+        """Stop telling `observer` of steps (a measurement that is over)."""
+        self.observers.remove(observer)
+
     def _notify(self, hook: str, *args) -> None:
         for observer in self.observers:
             getattr(observer, hook)(self, *args)

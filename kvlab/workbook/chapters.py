@@ -93,6 +93,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             figures=("prefix_plots",),
             bench=("prefix",), reproduce=("cache-salt",), reproduce_api=("cache-salt",)),
     Chapter("07", "07_capstone.ipynb",
+            challenges={"ch07_tuning_lab": ("tuning_lab",)},
             figures=("bench_plots",),
             bench=("reproduce", "speed", "peers", "roofline", "serve-peers", "client")),
     Chapter("08", "08_kv_precision.ipynb",

@@ -251,6 +251,11 @@ def alt_choose_kv_cache(num_requests, prompt_len, output_len, block_size, max_kl
     return {"kv_cache_dtype": dtype, "kv_cache_memory_bytes": tokens * bytes_per_token[dtype]}
 
 
+def alt_my_tuning():
+    """The same idea at another block size: cap the step's prompt tokens and one prompt's share."""
+    return {"block_size": 8, "max_num_batched_tokens": 192, "long_prefill_token_threshold": 64}
+
+
 ALTERNATIVES = {
     "decode_attention": alt_decode_attention,
     "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
@@ -262,6 +267,7 @@ ALTERNATIVES = {
     "salt_scheme": alt_cache_salt_for, "kv_pool_size": alt_kv_pool_for,
     "fork_pool_size": alt_fork_pool_for, "chunk_budget": alt_choose_chunk_budget,
     "quantize_int8": alt_quantize_int8, "kv_precision": alt_choose_kv_cache,
+    "tuning_lab": alt_my_tuning,
 }
 
 
@@ -615,6 +621,10 @@ BUGS = [
     ("chunk_budget", lambda rate, step, target: 256, "four other machines"),
     ("chunk_budget", lambda rate, step, target: 16, "four other machines"),
     ("chunk_budget", lambda rate, step, target: 8, "four other machines"),
+    ("tuning_lab", lambda: {"max_num_seqs": 0}, "by name and range"),
+    ("tuning_lab", lambda: {"kv_cache_dtype": "int4_per_token_head"}, "by name and range"),
+    ("tuning_lab", lambda: {"chunk_size": 64}, "by name and range"),
+    ("tuning_lab", lambda: {"max_num_seqs": 300, "max_num_batched_tokens": 64}, "real model"),
     ("paged_attention", attention_gqa_modulo, "grouped-query"),
     ("paged_attention", attention_whole_blocks, "partly filled"),
 ]
