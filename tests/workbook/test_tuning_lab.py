@@ -35,18 +35,22 @@ def test_the_command_line_is_one_kvlab_serve_parses_to_the_same_settings():
     assert args.kv_cache_memory_bytes == lab.KV_CACHE_MEMORY_BYTES
 
 
-def test_the_workload_and_the_slo_scale_with_the_decode_step():
-    slow, fast = lab.workload(0.2), lab.workload(0.05)
-    a, b = slow.requests(49152), fast.requests(49152)
-    assert [len(r["prompt_token_ids"]) for r in a] == [len(r["prompt_token_ids"]) for r in b]
-    assert a[-1]["arrival_s"] == pytest.approx(4 * b[-1]["arrival_s"])
-    assert lab.slo(0.2).ttft_s == pytest.approx(4 * lab.slo(0.05).ttft_s)
+def test_the_clock_prices_int8_decode_steps_higher_and_prompt_tokens_the_same():
+    auto, int8 = lab.step_cost({}), lab.step_cost({"kv_cache_dtype": "int8_per_token_head"})
+    assert auto == lab.LAB_COST
+    assert int8(1, 1) == pytest.approx(lab.INT8_DECODE_FACTOR * auto(1, 1))
+    assert int8(129, 1) - int8(1, 1) == pytest.approx(auto(129, 1) - auto(1, 1))
+    # The reference's budget, by the same model, fits the gap bound with a few decodes in it.
+    ref = lab.my_tuning()["max_num_batched_tokens"]
+    assert auto(ref, 4) < lab.MAX_GAP_S < auto(160, 4)
 
 
-@pytest.mark.slow  # five runs of the workload on the real model, and three step-cost measurements
-def test_defaults_fail_for_their_stalls_and_the_reference_passes():
+@pytest.mark.slow  # nine runs of the workload on the real model
+def test_defaults_fail_for_their_stalls_a_tiny_budget_for_ttft_and_the_reference_passes():
     ref = exercises.check("tuning_lab", lab.my_tuning)
     assert ref, str(ref)
     defaults = exercises.check("tuning_lab", lambda: {})
     assert not defaults and not defaults.not_done
     assert "stalled" in str(defaults) and "chapter 04" in str(defaults)
+    tiny = exercises.check("tuning_lab", lambda: {"max_num_batched_tokens": 32})
+    assert not tiny and "first tokens came late" in str(tiny)
