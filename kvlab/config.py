@@ -23,6 +23,7 @@ PARALLEL_SAMPLING = ("fork", "child_requests")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's SchedulerConfig default (vllm/config/scheduler.py)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill; vLLM's serve default on a CPU
 
 
 def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
@@ -269,7 +270,8 @@ class EngineConfig:
             kv_cache_tokens = max(default_kv_tokens, max_model_len)
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+            budget = (DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                      else max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS))
         # replace() runs __post_init__ again: the filled-in config passes the same checks, one
         # request fitting the pool among them.
         max_num_seqs = self.max_num_seqs

@@ -161,11 +161,12 @@ class Replay:
         def missed(key, bound):
             return sum(bound is not None and r[key] > bound for r in self.rows)
 
+        # A miss count for each bound the SLO sets (none for a measure it leaves unbounded).
+        misses = {f"missed_{name}": missed(key, bound) for name, key, bound in
+                  (("ttft", "ttft_s", slo.ttft_s), ("tpot", "tpot_s", slo.tpot_s),
+                   ("gap", "max_gap_s", slo.max_gap_s)) if bound is not None}
         return {"goodput": round(self.goodput(slo), 3),
-                "met": sum(slo.met(r) for r in self.rows), "of": len(self.rows),
-                "missed_ttft": missed("ttft_s", slo.ttft_s),
-                "missed_tpot": missed("tpot_s", slo.tpot_s),
-                "missed_gap": missed("max_gap_s", slo.max_gap_s),
+                "met": sum(slo.met(r) for r in self.rows), "of": len(self.rows), **misses,
                 "p50_ttft_s": round(statistics.median(ttft), 3),
                 "p99_ttft_s": round(percentile(ttft, 99), 3),
                 "p50_tpot_ms": round(1000 * statistics.median(tpot), 1),

@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
                    help="kvlab-only: the KV budget in tokens (vLLM: --gpu-memory-utilization)")
     # vLLM's flags (vllm/config/cache.py, vllm/engine/arg_utils.py): how K/V are stored, and
     # the pool in bytes (not with --kv-cache-tokens).
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="the weights' and activations' dtype (vLLM's --dtype; auto: float32 on "
+                        "a CPU, bfloat16 or float16 on a GPU)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="K/V storage precision (auto: the model's dtype)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
@@ -99,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The `LLM(...)` keyword arguments a `kvlab serve` command line stands for."""
-    return {"model": args.model, "block_size": args.block_size,
+    return {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "kv_cache_tokens": args.kv_cache_tokens,

@@ -33,6 +33,11 @@ def test_the_command_line_is_one_kvlab_serve_parses_to_the_same_settings():
     for key, value in knobs.items():
         assert getattr(args, key) == value
     assert args.kv_cache_memory_bytes == lab.KV_CACHE_MEMORY_BYTES
+    assert args.dtype == "float32"  # the memory was sized at float32
+    # Left out, a setting is spelled out at kvlab's default (vLLM's differ by GPU).
+    args = cli.parser().parse_args(["serve", *shlex.split(lab.vllm_serve_command({}))[3:]])
+    assert (args.max_num_batched_tokens, args.block_size, args.kv_cache_dtype,
+            args.long_prefill_token_threshold) == (2048, 16, "auto", 0)
 
 
 def test_the_clock_prices_int8_decode_steps_higher_and_prompt_tokens_the_same():

@@ -455,7 +455,8 @@ CHALLENGE = Exercise(
     solution=choose_kv_cache,
     imports="from kvlab.kv_sizing import blocks_held, pool_bytes",
     cases=[
-        Case("five other workloads and bounds, by the arithmetic", _challenge_arithmetic,
+        Case("five other workloads and bounds, with made-up KLs, by the arithmetic",
+             _challenge_arithmetic,
              "Filter by the bound, then the fewest bytes, then whole blocks and the null block."),
         Case(f"real model: {BURST['num_requests']} requests of {BURST['prompt_len']} + "
              f"{BURST['output_len']} tokens, KL within {MAX_KL:g}, yours beside the best",
