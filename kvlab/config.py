@@ -26,6 +26,18 @@ DEFAULT_MAX_NUM_SEQS = 256  # vLLM's SchedulerConfig default (vllm/config/schedu
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill; vLLM's serve default on a CPU
 
 
+def batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                 enable_chunked_prefill: bool = True, max_model_len: int = 0) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) with kvlab's defaults filled in where None: the
+    budget first, then the seats, lowered to the budget only when not given (vLLM's rule)."""
+    budget = max_num_batched_tokens
+    if budget is None:
+        budget = (DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked_prefill
+                  else max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS))
+    seqs = min(DEFAULT_MAX_NUM_SEQS, budget) if max_num_seqs is None else max_num_seqs
+    return seqs, budget
+
+
 def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
     """Raise TypeError/ValueError naming `name` unless `value` is an int (not a bool) >= minimum."""
     if value is None and allow_none:
@@ -268,15 +280,10 @@ class EngineConfig:
             )
         if kv_cache_tokens is None:
             kv_cache_tokens = max(default_kv_tokens, max_model_len)
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = (DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
-                      else max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS))
+        max_num_seqs, budget = batch_limits(self.max_num_seqs, self.max_num_batched_tokens,
+                                            self.enable_chunked_prefill, max_model_len)
         # replace() runs __post_init__ again: the filled-in config passes the same checks, one
         # request fitting the pool among them.
-        max_num_seqs = self.max_num_seqs
-        if max_num_seqs is None:  # vLLM: lowered to the budget only when not given
-            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, budget)
         resolved = dataclasses.replace(self, kv_cache_tokens=kv_cache_tokens,
                                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=budget, _resolved=True)

@@ -27,6 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from kvlab.bench.scheduling import percentile
 from kvlab.sampling import RequestOutputKind, SamplingParams
 from kvlab.step_log import StepObserver
 
@@ -155,9 +156,10 @@ class Replay:
         return sum(slo.met(r) for r in self.rows) / self.duration_s
 
     def summary(self, slo: SLO) -> dict:
-        ttft = sorted(r["ttft_s"] for r in self.rows)
-        tpot = sorted(r["tpot_s"] for r in self.rows)
-        gaps = sorted(r["max_gap_s"] for r in self.rows)
+        ttft = [r["ttft_s"] for r in self.rows]
+        tpot = [r["tpot_s"] for r in self.rows]
+        gaps = [r["max_gap_s"] for r in self.rows]
+
         def missed(key, bound):
             return sum(bound is not None and r[key] > bound for r in self.rows)
 
@@ -174,14 +176,6 @@ class Replay:
                 "p50_max_gap_ms": round(1000 * statistics.median(gaps), 1),
                 "p99_max_gap_ms": round(1000 * percentile(gaps, 99), 1),
                 "duration_s": round(self.duration_s, 2), "preemptions": self.preemptions}
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """The q-th percentile by linear interpolation (numpy's default)."""
-    k = (len(sorted_values) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 def replay(llm, workload: Workload, step_cost: StepCost | None = None,

@@ -32,6 +32,11 @@ from kvlab.workbook.exercises._common import Case, Exercise, Mismatch, positive_
 # about 100); its prefill steps the same as auto's (0.93x).
 LAB_COST = StepCost(decode_s=0.065, prefill_token_s=0.0021, extra_decode_s=0.005)
 INT8_DECODE_FACTOR = 1.35
+LAB_COSTS = {"auto": LAB_COST,
+             "int8_per_token_head": StepCost(
+                 decode_s=LAB_COST.decode_s * INT8_DECODE_FACTOR,
+                 prefill_token_s=LAB_COST.prefill_token_s,
+                 extra_decode_s=LAB_COST.extra_decode_s * INT8_DECODE_FACTOR)}
 # The workload: 14 requests, Poisson arrivals at 1.5 a second; a quarter carry a document.
 NUM_REQUESTS = 14
 RATE = 1.5
@@ -44,11 +49,12 @@ OUTPUT_LEN = (6, 16)
 TTFT_S = 1.5
 MAX_GAP_S = 0.4
 # The KV memory: 768 tokens at float32 (SmolLM2-135M: 46,080 bytes a token).
-KV_CACHE_MEMORY_BYTES = 768 * 46_080
+KV_TOKENS_AT_FLOAT32 = 768
+KV_CACHE_MEMORY_BYTES = KV_TOKENS_AT_FLOAT32 * 46_080
 KNOBS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_dtype",
          "long_prefill_token_threshold")
 # auto, and the precision chapter 08 finds closest to it (within its challenge's MAX_KL).
-KV_CACHE_DTYPES = ("auto", "int8_per_token_head")
+KV_CACHE_DTYPES = tuple(LAB_COSTS)
 BLOCK_SIZES = (8, 16, 32)
 TOLERANCE = 0.80  # a choice within this share of the best goodput measured passes
 
@@ -107,11 +113,7 @@ def settings(value) -> dict:
 
 def step_cost(knobs: dict) -> StepCost:
     """The lab's clock for these settings: LAB_COST, with int8's slower decode steps."""
-    if knobs.get("kv_cache_dtype", "auto") == "auto":
-        return LAB_COST
-    return StepCost(decode_s=LAB_COST.decode_s * INT8_DECODE_FACTOR,
-                    prefill_token_s=LAB_COST.prefill_token_s,
-                    extra_decode_s=LAB_COST.extra_decode_s * INT8_DECODE_FACTOR)
+    return LAB_COSTS[knobs.get("kv_cache_dtype", "auto")]
 
 
 def run_once(knobs: dict) -> Replay:
@@ -133,16 +135,12 @@ def vllm_serve_command(knobs: dict) -> str:
     vLLM's own defaults differ by GPU (EngineArgs.get_batch_defaults, vllm/engine/arg_utils.py),
     and --dtype float32, which the memory was sized at (vLLM would pick bfloat16 on a GPU,
     and the same bytes would hold twice the tokens)."""
-    from kvlab.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
+    from kvlab.config import EngineConfig, batch_limits
 
     defaults = EngineConfig()
     values = {k: knobs.get(k, getattr(defaults, k)) for k in KNOBS}
-    # The two kvlab fills in when resolving (EngineConfig.resolve): the budget, then the seats
-    # lowered to it when not given.
-    if values["max_num_batched_tokens"] is None:
-        values["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    if values["max_num_seqs"] is None:
-        values["max_num_seqs"] = min(DEFAULT_MAX_NUM_SEQS, values["max_num_batched_tokens"])
+    values["max_num_seqs"], values["max_num_batched_tokens"] = batch_limits(
+        values["max_num_seqs"], values["max_num_batched_tokens"])
     flags = ["--dtype float32", f"--kv-cache-memory-bytes {KV_CACHE_MEMORY_BYTES}"]
     flags += [f"--{k.replace('_', '-')} {v}" for k, v in values.items()]
     return "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct " + " ".join(flags)
@@ -163,7 +161,7 @@ def describe() -> str:
             f"tokens, {LONG_SHARE:.0%} with a document of {LONG_PROMPT[0]}-{LONG_PROMPT[1]}; "
             f"{OUTPUT_LEN[0]}-{OUTPUT_LEN[1]} new tokens each. The SLO: the first token within "
             f"{TTFT_S} s of arrival, no gap between two tokens over {MAX_GAP_S} s. KV memory: "
-            f"{KV_CACHE_MEMORY_BYTES:,} bytes ({KV_CACHE_MEMORY_BYTES // 46_080} tokens at "
+            f"{KV_CACHE_MEMORY_BYTES:,} bytes ({KV_TOKENS_AT_FLOAT32} tokens at "
             f"float32). The clock: a decode step {LAB_COST.decode_s * 1000:.0f} ms, "
             f"{LAB_COST.prefill_token_s * 1000:.1f} ms a prompt token, "
             f"{LAB_COST.extra_decode_s * 1000:.0f} ms a decode beyond the first; with "
