@@ -66,7 +66,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             figures=("memory_plots", "snapshot"),
             reproduce=("paged-admission",)),
     Chapter("02", "02_copy_on_write.ipynb",
-            builds={"ch02_copy_on_write": ("fork", "copy_on_write")},
+            builds={"ch02_copy_on_write": ("copy_on_write",)},
             challenges={"ch02_fork_pool_size": ("fork_pool_size",)},
             figures=("memory_plots", "snapshot"),
             bench=("cow",), reproduce=("cow",)),

@@ -14,17 +14,16 @@ if your code raises, the report shows your traceback.
 
 Exercises, by chapter:
     00 decode_attention    attention of one decode token over its request's KV cache
-    01 block_pool          free queue, reference counts, all-or-nothing allocation
+    01 block_pool          the pool of blocks: handing them out and taking them back
     01 allocate_slots      how many blocks a request needs now
     01 paged_attention     the same attention, through the block table
-    02 fork                share the parent's blocks
-    02 copy_on_write       copy a shared block before writing into it
-    03 schedule            one scheduling step, with preemption
+    02 copy_on_write       what a sequence does before it writes into blocks it may share
+    03 schedule            one scheduling step when memory runs short
     04 chunked_prefill     each request's share of the token budget
-    05 block_hashes        the block hash chain, salt in block 0
-    05 longest_cache_hit   whole blocks, stop at the first miss, never the last token
+    05 block_hashes        the keys of a prompt's blocks, with a tenant's salt
+    05 longest_cache_hit   how much of a prompt the prefix cache can serve
     06 timing_attack       read a cache hit off the clock
-    08 quantize_int8       int8 K/V with a scale per (token, head)
+    08 quantize_int8       K/V stored in int8, and read back
 
 Challenges (kind "challenge": a decision, measured on the real model against the best one):
     01 kv_pool_size        the smallest KV pool for a burst, contiguous and paged

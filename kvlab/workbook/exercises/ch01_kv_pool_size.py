@@ -130,9 +130,12 @@ KV_POOL_SIZE = Exercise(
     imports="from kvlab.kv_sizing import blocks_held, cdiv, pool_tokens",
     cases=[
         Case("four other bursts, by the arithmetic", _pool_arithmetic,
-             "Count whole blocks per request, then tokens: blocks x block_size."),
+             "Chapter 01's count: a paged request holds whole blocks of the tokens it has K/V "
+             "for; a contiguous one reserves its whole region at admission. Tokens = blocks x "
+             "block_size."),
         Case("real model: 12 requests, both layouts, with your pools", _pool_measured,
-             "Compare the running and preempted counts printed above.", real_model=True,
+             "Compare the running and preempted counts printed above: chapter 01's count of what "
+             "a request holds at its last step, in each layout.", real_model=True,
              timeout_s=300),
     ],
 )

@@ -1,16 +1,14 @@
-"""Chapter 02 exercises: fork, and copy-on-write.
-
-`fork` teaches sharing: a child sequence (a sample of n > 1, a beam) starts with its parent's
-past, so its block table is a copy of the parent's and every block gains a reference. Nothing is
-copied, not even the partly filled last block.
+"""Chapter 02 exercise: copy-on-write.
 
 `copy_on_write` teaches the price of sharing, paid late and only where needed: before a step
 writes into a block that other tables still hold (ref_cnt > 1), the writer swaps it for a fresh
 block, records (source, destination) so the model runner copies the K/V first, and drops its
-reference to the old one. The last holder writes in place.
+reference to the old one. The last holder writes in place. (The fork itself, a copied table and
+one more reference per block, is shown on chapter 02's path, not asked for: two lines with no
+rule to find.)
 
-Both are checked on kvlab's own pool (`IdPool`), against `KVCacheManager` on random states, then
-inside a real engine generating n=3 samples of one prompt.
+Checked on kvlab's own pool (`IdPool`), against `KVCacheManager` on random states, then inside
+a real engine generating n=3 forked samples of one prompt.
 """
 
 from __future__ import annotations
@@ -21,27 +19,6 @@ from kvlab.workbook.exercises import _real_engine
 from kvlab.workbook.exercises._common import Case, Exercise, IdPool, Mismatch, cdiv, short
 from kvlab.kv_cache import KVCacheManager
 from kvlab.sampling import RequestOutputKind, SamplingParams
-
-
-# ---- fork ----------------------------------------------------------------------------------------
-def fork(parent_table, pool):
-    """The child's block table: the parent's blocks, shared."""
-    # The child starts with the parent's whole past: the same physical blocks, the partly
-    # filled last block included. Nothing is copied; each block gains one reference (the
-    # child's), so none can be freed while either sequence still needs it.
-    pool.touch(parent_table)
-    # A new list: the two tables are equal now, but from here on each grows on its own.
-    return list(parent_table)
-
-
-FORK_STUB = '''def fork(parent_table, pool):
-    """Return the child's block table: the same block ids as parent_table, in a new list, each
-    block with one more reference (pool.touch(block_ids) adds one to each). Copy nothing: the
-    pool's free blocks stay free. Example: parent_table [4, 9] with ref counts 1, 1 ->
-    returns [4, 9]; ref counts now 2, 2.
-    """
-    raise NotImplementedError("your turn")
-'''
 
 
 def _pool_with_table(num_blocks: int, table_len: int, shared_with: int = 0,
@@ -57,60 +34,6 @@ def _pool_with_table(num_blocks: int, table_len: int, shared_with: int = 0,
     for _ in range(shared_with):
         pool.touch(table)
     return pool, table
-
-
-def _fork_case(table_len: int, shared_with: int = 0, num_blocks: int = 8,
-               aspects=("table", "refs", "free", "new list")):
-    """Fork one table and look at the named aspects of the result."""
-    def run(impl):
-        pool, parent = _pool_with_table(num_blocks, table_len, shared_with, seed=table_len)
-        refs = [pool.ref_cnt(b) for b in range(num_blocks)]
-        free = pool.get_num_free_blocks()
-        original = list(parent)
-        child = impl(parent, pool)
-        situation = f"parent_table {original}, ref counts {[refs[b] for b in original]}"
-        if parent != original:
-            raise Mismatch(f"the parent's table to stay {original}", f"{short(parent)}", situation)
-        try:
-            as_list = list(child)
-        except TypeError:
-            raise Mismatch(f"a list of block ids {original}", short(child), situation) from None
-        if "table" in aspects and as_list != original:
-            raise Mismatch(f"the child's table {original}", short(child), situation)
-        want = [refs[b] + (b in original) for b in range(num_blocks)]
-        got = [pool.ref_cnt(b) for b in range(num_blocks)]
-        if "refs" in aspects and got != want:
-            bad = next(b for b in range(num_blocks) if got[b] != want[b])
-            raise Mismatch(f"block {bad} to have ref_cnt {want[bad]}", f"{got[bad]}", situation)
-        if "free" in aspects and pool.get_num_free_blocks() != free:
-            raise Mismatch(f"{free} free blocks (a fork copies nothing)",
-                           f"{pool.get_num_free_blocks()}", situation)
-        if "new list" in aspects and child is parent:
-            raise Mismatch("a new list for the child", "the parent's own list object: the next "
-                           "block appended to one table would appear in the other", situation)
-    return run
-
-
-class _ForkManager(KVCacheManager):
-    """kvlab's KVCacheManager, forking with the participant's function."""
-
-    impl = None
-
-    def fork(self, parent_id: str, child_id: str) -> bool:
-        pool = IdPool(self.block_pool)
-        parent = self.get_block_ids(parent_id)
-        refs = {b: pool.ref_cnt(b) for b in parent}
-        child = self.impl(list(parent), pool)
-        child = list(child) if child is not None else None
-        if child != parent:
-            raise Mismatch(f"fork of {parent_id} to give {parent}", short(child))
-        for b in parent:
-            if pool.ref_cnt(b) != refs[b] + 1:
-                raise Mismatch(f"block {b} to have ref_cnt {refs[b] + 1} after the fork",
-                               f"{pool.ref_cnt(b)}")
-        self.req_to_blocks[child_id] = [self.block_pool.blocks[b] for b in child]
-        self._note_peak()
-        return True
 
 
 # n=3 samples of two prompts: the prompt is computed once and forked; the samples then write
@@ -140,45 +63,6 @@ def _real_model(manager_cls):
     return run
 
 
-FORK = Exercise(
-    name="fork",
-    chapter="02_copy_on_write",
-    title="Fork: share the parent's blocks",
-    prompt=(
-        "Write fork: a child sequence starts with its parent's past without copying it. Give "
-        "the child a table of the same blocks, and let the pool count one more reference to "
-        "each. The check looks at the tables and ref counts, then runs n=3 samples on the real "
-        "model with your fork."
-    ),
-    full_version=(
-        "kvlab's KVCacheManager.fork (kvlab/kv_cache.py) does the same on its own tables and "
-        "counts the peak of blocks held. The group scheduler (kvlab/group_scheduler.py) forks n "
-        "samples after the prompt's prefill and beam candidates at every step (beam search re-"
-        "forks the best beams and frees the rest), and charges each group its seats in "
-        "max_num_seqs. The contiguous baseline cannot share: its fork copies the whole region "
-        "(chapter 01's layout)."
-    ),
-    stub=FORK_STUB,
-    hint="pool.touch(parent_table) adds a reference to every block; return list(parent_table).",
-    solution=fork,
-    cases=[
-        Case("the child gets the parent's blocks, one more reference each",
-             _fork_case(3, aspects=("table", "refs")),
-             "Sharing is a new table plus one reference per block, nothing else."),
-        Case("a fork copies nothing: the free blocks stay free",
-             _fork_case(2, aspects=("table", "refs", "free")),
-             "Do not take blocks from the pool: the child reads the parent's."),
-        Case("the child's table is a new list", _fork_case(2),
-             "Return a copy of the list: the tables grow apart from the next token on."),
-        Case("forking a table that is already shared", _fork_case(2, shared_with=1),
-             "Each fork adds one reference, whatever the count was."),
-        Case("forking an empty table", _fork_case(0), "An empty table gives an empty table."),
-        Case("real model: n=3 samples forked from each prompt, same tokens as kvlab",
-             _real_model(_ForkManager), real_model=True),
-    ],
-)
-
-
 # ---- copy_on_write -------------------------------------------------------------------------------
 def copy_on_write(block_table, num_computed_tokens, block_size, pool):
     """Give this table private copies of the shared blocks this step writes into; return the
@@ -200,18 +84,18 @@ def copy_on_write(block_table, num_computed_tokens, block_size, pool):
 
 
 COW_STUB = '''def copy_on_write(block_table, num_computed_tokens, block_size, pool):
-    """Called before a step writes this sequence's new tokens. Positions 0 ..
-    num_computed_tokens - 1 are already in the cache; the step writes from position
-    num_computed_tokens up to the end of block_table (the table was grown to cover the step's
-    tokens, so its last block is written too). Which blocks does it write into, then?
-
-    For each of those that other tables share (pool.ref_cnt(block_id) > 1): take a fresh block
-    (pool.get_new_blocks(1)), put it in block_table (in place) instead, drop this table's
-    reference to the old one (pool.free_blocks([old])), and record (old, fresh). Return the
-    list of (old, fresh) pairs: the model runner copies their K/V before the step. Example:
-    block_size 4, block_table [3, 5], both shared, num_computed_tokens 6 -> block 5 (positions
-    4-7) is replaced by a fresh block f, block_table == [3, f], returns [(5, f)]; block 3 is
-    only read: still shared.
+    """Called just before a step writes this sequence's new tokens, which go to positions
+    num_computed_tokens .. (the end of the last block of block_table: the table already
+    covers the step's tokens). block_table: this sequence's block ids, a list to change in
+    place; other sequences' tables may hold the same blocks. pool: pool.ref_cnt(block_id) (how
+    many tables hold it), pool.get_new_blocks(n) (n free block ids, each now held once) and
+    pool.free_blocks(block_ids) (drops one hold on each; a block held by nobody is free again).
+    Return the list of (source, destination) block-id pairs whose K/V the model runner must
+    copy before the step, [] when none.
+    Afterwards: no other sequence reads anything this step writes, every other sequence's
+    table and contents are as before, and no block is left held by nobody.
+    Example (nothing shared): block_size 4, block_table [3, 5] each held once,
+    num_computed_tokens 6 -> returns [], block_table still [3, 5].
     """
     raise NotImplementedError("your turn")
 '''
@@ -354,11 +238,11 @@ COPY_ON_WRITE = Exercise(
     chapter="02_copy_on_write",
     title="Copy-on-write",
     prompt=(
-        "Write copy-on-write. Before a step writes a sequence's new tokens, any block it writes "
-        "into that other tables still share must become a private copy: a fresh block in the "
-        "table, the old block's K/V copied into it, one reference less on the old one. Blocks "
-        "that are only read stay shared. The check replays chapter 02's scene and random ones, "
-        "then runs n=3 samples on the real model with your function."
+        "Write copy-on-write, the step a sequence takes before it writes its new tokens into "
+        "blocks it may share. Work out from the scene above which blocks a write copies, which "
+        "stay shared, what happens to the reference counts, and why the parent wrote in place. "
+        "The check replays chapter 02's scene and random ones, then runs n=3 samples on the "
+        "real model with your function."
     ),
     full_version=(
         "In kvlab the copy is part of allocate_slots (kvlab/kv_cache.py): before a step writes "
@@ -371,33 +255,40 @@ COPY_ON_WRITE = Exercise(
     ),
     stub=COW_STUB,
     hint=(
-        "Position num_computed_tokens is in block num_computed_tokens // block_size: loop from "
-        "there to the end of the table. For each block with pool.ref_cnt(b) > 1: get one fresh "
-        "block, record (b, fresh), pool.free_blocks([b]), and put fresh in the table."
+        "In the scene, child1 wrote token 6: which block holds position 6, and why was block 1 "
+        "not copied? After child1's copy, block 2's reference count fell by one: whose "
+        "reference was that, and what was left for the parent?"
     ),
     solution=copy_on_write,
     cases=[
         Case("after a fork: the shared, partly filled last block is copied",
              _cow_scene(2, [2, 2], 6, 4),
-             "Token 6 goes to slot 2 of block 1; the other table still reads slots 0-1 of it."),
+             "Chapter 02's scene: token 6 goes to slot 2 of the table's second block; the other table "
+             "still reads slots 0-1 of it, so it is copied first."),
         Case("a shared block before the write position is only read: still shared",
              _cow_scene(3, [2, 2, 2], 9, 4),
-             "Blocks wholly before num_computed_tokens are never written: they stay shared."),
+             "Chapter 02's scene: block 1, only read, stayed shared. Blocks wholly before "
+             "num_computed_tokens are never written."),
         Case("a write that starts a new block copies nothing", _cow_scene(2, [2, 2], 8, 4),
              "Position 8 is the first slot of block 2, which is not in the table yet: it will "
              "be a fresh block."),
         Case("a block this table holds alone is written in place", _cow_scene(2, [2, 1], 5, 4),
-             "ref_cnt 1: nobody else reads it, so no copy is needed."),
+             "Chapter 02's scene: the parent, last, held block 2 alone (ref_cnt 1) and wrote in place."),
         Case("a chunk writing into two shared blocks copies both", _cow_scene(3, [1, 2, 3], 4, 4),
-             "Every shared block from the write position to the end of the table is copied."),
+             "Every shared block from the write position to the end of the table is written, so "
+             "copied (the scene's rule, over a chunk of several tokens)."),
         Case("three tables share: the first two writers copy, the last writes in place",
              _three_writers,
-             "Each copy drops one reference from the old block; the last holder has ref_cnt 1 "
-             "and writes in place."),
-        Case("200 random tables and ref counts", _cow_random),
+             "Chapter 02's scene: each copy drops one reference from the old block; the last "
+             "holder has ref_cnt 1 and writes in place."),
+        Case("200 random tables and ref counts", _cow_random,
+             "Chapter 02's scene, everywhere: a block this step writes into that others hold is "
+             "copied (fresh block, (old, fresh) recorded, one reference dropped); the rest stay."),
         Case("real model: n=3 samples writing into shared blocks, same tokens as kvlab",
-             _real_model(_CopyOnWriteManager), real_model=True),
+             _real_model(_CopyOnWriteManager), "A wrong copy changes what another sample "
+             "reads: its tokens differ from kvlab's (chapter 02's scene, on the real model).",
+             real_model=True),
     ],
 )
 
-EXERCISES = [FORK, COPY_ON_WRITE]
+EXERCISES = [COPY_ON_WRITE]

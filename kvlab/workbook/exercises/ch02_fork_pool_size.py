@@ -112,9 +112,11 @@ FORK_POOL_SIZE = Exercise(
     imports="from kvlab.kv_sizing import blocks_held, pool_tokens",
     cases=[
         Case("seven other prompts, sample counts and block sizes, by the arithmetic",
-             _fork_arithmetic, "Full prompt blocks once; the partial one once per sample."),
+             _fork_arithmetic, "Chapter 02's scene: full prompt blocks stay shared; the partly filled one is copied "
+             "by each sample that writes into it."),
         Case("real model: 6 samples of a 40-token prompt, in your pool and the smallest",
-             _fork_measured, "Compare the preemptions printed above.", real_model=True,
+             _fork_measured, "Compare the preemptions printed above: chapter 02's copy-on-write takes a fresh "
+             "block at a sample's first write.", real_model=True,
              timeout_s=300),
     ],
 )

@@ -146,10 +146,12 @@ MAX_NUM_SEQS = Exercise(
     imports="from kvlab.kv_sizing import requests_at_once, usable_blocks",
     cases=[
         Case("five other pools and request lengths, by the arithmetic", _max_num_seqs_arithmetic,
-             "Count blocks, not tokens: a request's last block is whole even when half full."),
+             "Chapter 01's count: blocks, not tokens; a request's last block is whole even when "
+             "half full."),
         Case(f"real model: {BURST['num_requests']} requests of {BURST['prompt_len']} + "
              f"{BURST['output_len']} tokens in a {POOL['kv_cache_tokens']}-token pool, yours "
-             "beside the best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above.",
+             "beside the best", _max_num_seqs_measured, "Compare the preemptions and tok/s printed above: chapter 03's knee, where a seat "
+             "more than the pool holds preempts.",
              real_model=True, timeout_s=600),
     ],
 )

@@ -40,13 +40,14 @@ def split_token_budget(running, waiting, max_num_batched_tokens):
 STUB = '''def split_token_budget(running, waiting, max_num_batched_tokens):
     """How many new tokens each request computes this step, with chunked prefill.
 
-    running (decodes, or prompts already being chunked) come first, then waiting, in order.
-    Each request (.request_id, .num_tokens, .num_computed_tokens) still needs num_tokens -
-    num_computed_tokens tokens. How many does it get when the budget has less left than that?
-    (The explorer above shows the long prompt's share of each step.) Return {request_id:
-    num_new_tokens} for the requests that get at least one token.
-    Example: budget 10, running [a: 8 of 9 computed], waiting [b: 20 tokens] ->
-    {"a": 1, "b": 9}.
+    running: requests already running (decodes, or prompts partly computed), in scheduling
+    order; waiting: requests not started, in arrival order. Each has .request_id, .num_tokens
+    and .num_computed_tokens; it still needs num_tokens - num_computed_tokens tokens.
+    Return {request_id: num_new_tokens} for the requests that compute at least one token this
+    step. Afterwards: the values add up to at most max_num_batched_tokens, and no request gets
+    more than it still needs.
+    Example (everything fits): budget 32, running [a: 8 of 9 computed], waiting [b: 5 tokens]
+    -> {"a": 1, "b": 5}.
     """
     raise NotImplementedError("your turn")
 '''
@@ -158,11 +159,11 @@ EXERCISE = Exercise(
     chapter="04_chunked_prefill",
     title="Chunked prefill: sharing the token budget",
     prompt=(
-        "Write chunked prefill's rule: a step has a budget of max_num_batched_tokens tokens, "
-        "handed out in order, running requests first, then waiting ones. Work out from the "
-        "explorer above how much a request gets when it needs more than is left, so that a "
-        "long prompt is cut into chunks over several steps. The check compares you with "
-        "kvlab's scheduler, then runs the real model with your split."
+        "Write how chunked prefill shares a step's budget of max_num_batched_tokens tokens "
+        "among the running and waiting requests. Work out from the explorer's budget bar "
+        "above who is served first and how much a request gets when it needs more than is "
+        "left. The check compares you with kvlab's scheduler, then runs the real model with "
+        "your split."
     ),
     full_version=(
         "In kvlab's Scheduler.schedule (kvlab/scheduler.py) this rule is _num_new_tokens, one "
@@ -173,36 +174,46 @@ EXERCISE = Exercise(
     ),
     stub=STUB,
     hint=(
-        "Walk running + waiting in order with `left = max_num_batched_tokens`. For each: "
-        "n = min(num_tokens - num_computed_tokens, left); if n > 0, record it and subtract it "
-        "from left."
+        "Step the explorer again and read one step's budget bar: whose token is drawn first, "
+        "and how large is the long prompt's chunk beside it? Then walk the requests in that "
+        "order, keeping what is left of the budget."
     ),
     solution=split_token_budget,
     cases=[
         Case("everything fits: each request takes what it needs",
              _scene([_r("a", 9, 8)], [_w("b", 5)], budget=32),
-             "A decode needs 1 token, a waiting prompt all of its tokens."),
+             "The explorer's first steps: a decode needs 1 token, a waiting prompt all of its "
+             "tokens."),
         Case("a long prompt takes what is left of the budget",
              _scene([_r("a", 9, 8)], [_w("b", 20)], budget=10),
-             "min(needed, left): b needs 20 but only 9 are left after a's decode."),
+             "The explorer's budget bar: the long prompt's chunk is what the decode left, "
+             "min(needed, left); b needs 20 but only 9 are left after a's decode."),
         Case("decodes come before a waiting prompt", _scene(
             [_r("a", 9, 8), _r("b", 7, 6)], [_w("c", 40)], budget=3),
-             "Running requests first: two decodes, then c gets the 1 token left."),
+             "The explorer's budget bar: the decode's token is drawn first. Running requests "
+             "first: two decodes, then c gets the 1 token left."),
         Case("a prompt already being chunked continues from num_computed_tokens",
              _scene([_r("a", 30, 12)], [], budget=12),
-             "It still needs 30 - 12 = 18 tokens; the budget allows 12."),
+             "The explorer's later steps: a chunked prompt continues where it stopped; it still "
+             "needs 30 - 12 = 18 tokens, the budget allows 12."),
         Case("the last chunk is what is left of the prompt",
              _scene([_r("a", 30, 24)], [_w("b", 10)], budget=12),
-             "a needs its last 6 tokens; b gets the other 6."),
+             "The explorer's last chunk is smaller than the others: a needs its last 6 tokens; b "
+             "gets the other 6."),
         Case("a budget spent exactly leaves nothing for later requests",
              _scene([_r("a", 9, 8)], [_w("b", 7), _w("c", 3)], budget=8),
-             "After a (1) and b (7) the budget is 0: c gets nothing and is left out."),
+             "The budget bar never overflows: after a (1) and b (7) the budget is 0, c gets "
+             "nothing and is left out of the dict."),
         Case("several prompts in one step, in arrival order",
              _scene([], [_w("a", 3), _w("b", 4), _w("c", 20)], budget=12),
-             "a 3, b 4, c the remaining 5."),
-        Case("400 random states, compared with kvlab's scheduler", _random),
+             "Waiting prompts in arrival order, each min(needed, left): a 3, b 4, c the remaining "
+             "5."),
+        Case("400 random states, compared with kvlab's scheduler", _random,
+             "The explorer's budget bar, step by step: running requests first, then waiting "
+             "ones, each taking min(what it still needs, what is left)."),
         Case("real model: a 12-token budget, same chunks and tokens as kvlab", _real_model,
-             real_model=True),
+             "The chunks of chapter 04's explorer, on the real model: a wrong share changes "
+             "which tokens each step computes.", real_model=True),
     ],
 )
 EXERCISES = [EXERCISE]

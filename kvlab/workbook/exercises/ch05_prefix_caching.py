@@ -52,13 +52,15 @@ HASH_STUB = '''from kvlab.prefix_cache import hash_block_tokens
 
 
 def block_hashes(token_ids, block_size, cache_salt=None):
-    """One key per full block of token_ids (a partly filled last block gets none):
-    key i = hash_block_tokens(parent, tokens of block i, extra_keys), where parent is key i - 1
-    (None for the request's first block) and extra_keys is () without a salt. A cache_salt
-    must change every key; it goes in as extra_keys (("cache_salt", cache_salt),), in as few
-    blocks as that takes. Which blocks are those? Example: block_hashes([5, 6, 7, 8, 9], 2)
-    -> [k0, k1] with k0 = hash_block_tokens(None, [5, 6], ()) and
-    k1 = hash_block_tokens(k0, [7, 8], ()).
+    """The prefix-cache keys of one request: for any tokens, block size and salt, the row that
+    the table of keys above prints (the same keys, as bytes, in block order; the table shows
+    each key's first 8 hex digits, key.hex()[:8]).
+
+    token_ids: a list of ints; block_size: an int >= 1; cache_salt: None (no salt) or a str
+    ("" too is a salt). Each key is one hash_block_tokens(parent, tokens, extra_keys) call on
+    one block's tokens, token_ids[i * block_size:(i + 1) * block_size], with parent None or
+    another key, and extra_keys () or (("cache_salt", cache_salt),).
+    Example: block_hashes([5, 6, 7, 8], 4) == [hash_block_tokens(None, [5, 6, 7, 8], ())]
     """
     raise NotImplementedError("your turn")
 '''
@@ -232,11 +234,11 @@ BLOCK_HASHES = Exercise(
     chapter="05_prefix_caching",
     title="The block hash chain",
     prompt=(
-        "Write the keys under which prefix caching stores blocks: one per full block, each "
-        "hashing its parent's key, its own tokens and its extra keys, so that a key stands for "
-        "the whole prefix up to it. A cache salt must change every key of the request, and goes "
-        "into as few blocks' extra keys as that takes: decide which. The check compares your "
-        "keys with kvlab's, then runs the real engine with prefix caching on your keys."
+        "Write the keys under which prefix caching files a request's blocks. Work out from rows "
+        "A to D of the table above which blocks get a key, what a key depends on besides its "
+        "block's tokens, and where the salt goes: reproduce a few printed keys with "
+        "`hash_block_tokens` first. The check compares your keys with kvlab's, then runs the "
+        "real engine with prefix caching on your keys."
     ),
     full_version=(
         "kvlab computes a request's keys incrementally (extend_block_hashes in "
@@ -249,35 +251,52 @@ BLOCK_HASHES = Exercise(
     ),
     stub=HASH_STUB,
     hint=(
-        "Loop over i in range(len(token_ids) // block_size). parent is the previous key (None "
-        "for i == 0); the block is token_ids[i * block_size:(i + 1) * block_size]; extra_keys "
-        "is (('cache_salt', cache_salt),) only when i == 0 and cache_salt is not None."
+        "Start with row C: its blocks 1-3 hold A's tokens, yet none of its keys is A's, so a "
+        "key depends on more than its own block. Which parent makes "
+        "hash_block_tokens(parent, A[4:8], ()) print A's second key? Then try D's salt in "
+        "block 0's extra keys alone, and in every block's: which prints D's row? And count "
+        "the keys of A's row against its 18 tokens."
     ),
     solution=block_hashes,
     imports=IMPORTS,
     cases=[
         Case("fewer tokens than a block: no keys", _hash_case([5, 6, 7], 4),
-             "Only full blocks have keys."),
+             "Chapter 05's table of keys: the 2 tokens of rows A and C past their last full "
+             "block get no key. A partly filled block's tokens are not final yet."),
         Case("the first block: parent None, its tokens, no extra keys", _hash_case([5, 6, 7, 8], 4),
-             "hash_block_tokens(None, token_ids[:block_size], ())."),
+             "Chapter 05's printed check: hash_block_tokens(None, A[0:4], ()) is A's first key "
+             "(the docstring's example too)."),
         Case("the keys are chained: the second block hashes the first's key", _hash_chained,
-             "Pass the previous key as the parent: equal keys must mean equal prefixes."),
+             "Chapter 05's table, row C: its blocks 1-3 hold A's tokens, yet no key equals A's. "
+             "A key depends on every block before it, through its parent: the key just before "
+             "it (None for block 0), so equal keys mean equal prefixes."),
         Case("one key per full block; the partly filled last block has none",
              _hash_case(list(range(100, 110)), 4),
-             "10 tokens in blocks of 4: two full blocks, two keys."),
+             "Chapter 05's table: A's 18 tokens in blocks of 4 have four keys, and the 2 tokens "
+             "in a partial block none. Here 10 tokens: two full blocks, two keys."),
         Case("a chain of many blocks (block_size 1)", _hash_case([3, 1, 4, 1, 5, 9, 2, 6], 1),
-             "Each key's parent is the key just before it."),
+             "Chapter 05's table, row C, at block size 1: each key's parent is the key just "
+             "before it."),
         Case("cache_salt enters the first block's extra keys", _hash_case([5, 6, 7, 8], 4, "tenant-a"),
-             "extra_keys of the first block: (('cache_salt', cache_salt),)."),
+             "Chapter 05's table, row D: its first key already differs from A's, so block 0's "
+             "extra_keys hold the salt: (('cache_salt', cache_salt),)."),
         Case("cache_salt only in the first block: the chain carries it on",
              _hash_case(list(range(20, 32)), 4, "tenant-a"),
-             "Later blocks have extra_keys (): their parent's key already includes the salt."),
+             "Chapter 05's table, row D: every key differs from A's, yet only block 0's extra "
+             "keys hold the salt. Each later key's parent already carries it (row C's lesson); "
+             "later blocks have extra_keys ()."),
         Case("no salt: no extra keys in any block", _hash_case(list(range(20, 32)), 4, None),
-             "With cache_salt None, every block's extra_keys is ()."),
+             "Chapter 05's table, rows A to C: with cache_salt None every block's extra_keys "
+             "is ()."),
         Case("200 random token lists, block sizes and salts, compared with kvlab",
-             _hash_random),
+             _hash_random,
+             "Chapter 05's table at other sizes: a key per full block, the key before it as its "
+             "parent, the salt (any str, \"\" too) in block 0's extra keys only."),
         Case("real model: prefix caching on your keys, same hits and tokens as kvlab",
-             _real_model(_HashManager), real_model=True),
+             _real_model(_HashManager),
+             "Chapter 05's explorer: r1 and r2 hit the document's blocks under their keys; r3, "
+             "salted, finds none. Equal keys must mean equal prefixes and salts.",
+             real_model=True),
     ],
 )
 
@@ -298,14 +317,17 @@ def longest_cache_hit(block_hashes, num_tokens, block_size, cached):
 
 
 HIT_STUB = '''def longest_cache_hit(block_hashes, num_tokens, block_size, cached):
-    """The longest run of cached blocks from the request's start: the block ids, in order.
+    """The prefix-cache hits of a request: the ids of the cached blocks that its block table
+    starts with, in order. The engine computes every token after them.
 
-    block_hashes: the request's keys, one per full block; num_tokens: its length; cached: a
-    mapping key -> block id of the blocks in the cache (cached.get(key) is None when absent).
-    Walk from the request's first block, stop at the first key not cached, and never include
-    a block that holds the request's last token (it must be computed). Example: block_size 4,
-    num_tokens 8, keys [k0, k1] both cached as {k0: 3, k1: 5} -> [3] (k1's block holds the
-    last token).
+    block_hashes: the request's keys, key i for its full block i (tokens i * block_size to
+    (i + 1) * block_size - 1); num_tokens: the request's length; cached: a read-only mapping
+    key -> block id of the blocks in the cache (cached.get(key) is None when the key is not
+    there; block ids are ints >= 0, and 0 is a block like any other).
+    Must hold: hit i is cached.get(block_hashes[i]), and len(hits) * block_size is the count
+    of cached tokens the engine reports: the table "What a warm request finds" above shows
+    how long a lookup may go. Example: block_size 4, num_tokens 10, keys [k0, k1],
+    cached {k0: 3, k1: 5} -> [3, 5].
     """
     raise NotImplementedError("your turn")
 '''
@@ -394,12 +416,15 @@ class _LookupManager(KVCacheManager):
                              cached))
         limit = (request.num_tokens - 1) // self.block_size
         if len(ids) > limit:
-            raise Mismatch(f"at most {limit} hit blocks for {request.num_tokens} tokens (the "
-                           "last token is always computed)", f"{len(ids)}")
+            raise Mismatch(f"at most {limit} hit blocks for {request.num_tokens} tokens",
+                           f"{len(ids)}", "Chapter 05's table What a warm request finds: the "
+                           "block holding the last token is never a hit (its logits are needed).")
         for i, block_id in enumerate(ids):
             if cached.get(request.block_hashes[i]) != block_id:
                 raise Mismatch(f"hit {i} to be the block cached under key {i}",
-                               f"block {short(block_id)}")
+                               f"block {short(block_id)}", "The docstring: hit i is "
+                               "cached.get(block_hashes[i]); the engine skips only a request's "
+                               "first tokens.")
         hits = [pool.blocks[b] for b in ids]
         return hits, len(hits) * self.block_size
 
@@ -409,11 +434,10 @@ LONGEST_CACHE_HIT = Exercise(
     chapter="05_prefix_caching",
     title="The longest cache hit",
     prompt=(
-        "Write the prefix-cache lookup. Walk the request's block keys from the first, collect "
-        "the cached block of each, and decide where to stop: at a key that is not cached, and "
-        "before any block the request must compute itself (its last token gives the logits to "
-        "sample from). The check compares you with kvlab's lookup, then runs the real engine "
-        "with prefix caching on your lookup."
+        "Write the prefix-cache lookup: from a request's block keys and the cache, the blocks "
+        "it need not compute. Work out from the table above (What a warm request finds) how "
+        "many of its cached blocks a request may take. The check compares you with kvlab's "
+        "lookup, then runs the real engine with prefix caching on your lookup."
     ),
     full_version=(
         "kvlab's KVCacheManager.get_computed_blocks (kvlab/kv_cache.py) does this walk over the "
@@ -424,28 +448,45 @@ LONGEST_CACHE_HIT = Exercise(
     ),
     stub=HIT_STUB,
     hint=(
-        "Blocks that end before the last token: (num_tokens - 1) // block_size. Loop over "
-        "block_hashes[:that], look each up with cached.get(key), and break at the first None. "
-        "Block id 0 is a real block: test `is None`, not falsiness."
+        "In the table above, compare the first 8 and the first 9 tokens: both hold two cached "
+        "full blocks, yet the first 8 find only one. Which token must a request always compute, "
+        "and what does the model need it for? Then: hit i must be the block under key i, so "
+        "what can a missing key be followed by? Block id 0 is a real block."
     ),
     solution=longest_cache_hit,
     cases=[
-        Case("nothing cached: no hits", _hit_case(12, 4, {}), "The first key is a miss."),
+        Case("nothing cached: no hits", _hit_case(12, 4, {}),
+             "Chapter 05's Lookup and eviction: a hit is a block found under its key. Here the "
+             "first key is not in cached, and a hit i is the block under key i: no hits."),
         Case("every full block cached, one token after them", _hit_case(9, 4, {0: 3, 1: 5}),
-             "9 tokens: blocks 0 and 1 end before the last token; both are hits."),
+             "Chapter 05's table What a warm request finds: the first 9 tokens found 8 cached, "
+             "both full blocks, since they end before the last token."),
         Case("whole blocks only, never the block holding the last token",
              _hit_case(8, 4, {0: 3, 1: 5}),
-             "8 tokens: block 1 holds the last token, which must be computed: one hit."),
+             "Chapter 05's table What a warm request finds: the first 8 tokens found 4 cached, "
+             "not 8, and all 20 found 16. The block holding the last token is never a hit: that "
+             "token is computed so that the model has logits to sample the next one from."),
         Case("stop at the first miss, even if later blocks are cached",
              _hit_case(17, 4, {0: 2, 2: 6, 3: 1}),
-             "A key after a miss cannot be the same prefix as far as this request knows: break."),
+             "The docstring: hit i is the block cached under key i, since the engine skips only "
+             "a request's first tokens. After a missing key nothing more can be a hit (chapter "
+             "05's table: with block 1 changed, 4 cached tokens, though blocks 2-4 are as "
+             "before)."),
         Case("a cached block id of 0 still counts", _hit_case(13, 4, {0: 0, 1: 4, 2: 1}),
-             "cached.get(key) may return 0 in this mapping: compare with None, not truthiness."),
+             "The docstring: block ids are ints >= 0, and 0 is a block like any other. "
+             "cached.get(key) returns None for a key not there: compare with None, not with "
+             "truthiness."),
         Case("block_size 1", _hit_case(5, 1, {0: 7, 1: 8, 2: 9, 3: 2, 4: 3}),
-             "5 tokens: 4 hits at most."),
-        Case("300 random caches, compared with kvlab's get_computed_blocks", _hit_random),
+             "Chapter 05's table, at block size 1: the last token's block is never a hit, so "
+             "5 tokens give 4 hits at most."),
+        Case("300 random caches, compared with kvlab's get_computed_blocks", _hit_random,
+             "Chapter 05's table What a warm request finds: hits from block 0 on, up to the "
+             "first key not cached, never the block holding the last token."),
         Case("real model: prefix caching with your lookup, same hits and tokens as kvlab",
-             _real_model(_LookupManager), real_model=True),
+             _real_model(_LookupManager),
+             "Chapter 05's Verify: a warm request reports its hit tokens as num_cached_tokens, "
+             "and its tokens equal the cold path's.",
+             real_model=True),
     ],
 )
 

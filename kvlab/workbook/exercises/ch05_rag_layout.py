@@ -126,7 +126,8 @@ RAG_LAYOUT = Exercise(
         Case("every token of the three parts, once", _rag_parts_kept,
              "Concatenate the three lists; do not drop or repeat a part."),
         Case("real model: cached prompt tokens, yours against the best layout", _rag_measured,
-             "Put first what every request shares.", real_model=True, timeout_s=300),
+             "Chapter 05's hash chain: a key depends on every token before it, so the cache "
+             "matches from the first token. Put first what every request shares.", real_model=True, timeout_s=300),
     ],
 )
 

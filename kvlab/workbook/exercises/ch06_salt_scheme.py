@@ -121,7 +121,8 @@ SALT_SCHEME = Exercise(
              "Return a string: the salt the engine hashes into block 0's key."),
         Case("real model: own hits kept, a stolen, guessed or look-alike salt opens nothing",
              _salt_measured,
-             "The attacker writes the request body; the tenant comes from the API key.",
+             "Chapter 06's attack: the attacker writes the request body; the tenant comes from "
+             "the API key.",
              real_model=True, timeout_s=300),
     ],
 )
