@@ -55,11 +55,13 @@ CONTIGUOUS_STUB = '''import torch
 def decode_attention(q, k_cache, v_cache, seq_len, scale):
     """Attention output of one decode token: q (num_heads, head_dim) -> (num_heads, head_dim).
 
-    k_cache, v_cache: (max_len, num_kv_heads, head_dim), this request's KV cache, reserved for
-    max_len tokens; rows 0 .. seq_len - 1 hold its tokens, the newest one's included. Nine query
-    heads share three KV heads here: which KV head does query head h read? (The markdown above
-    says how the heads are grouped.) Softmax of (q . k) * scale over the keys, then the
-    weighted sum of the values.
+    Row h of the output is query head h's attention: the softmax of (q . k) * scale over its
+    keys weights its values. k_cache, v_cache: (max_len, num_kv_heads, head_dim), this
+    request's region, reserved for max_len tokens: rows 0 .. seq_len - 1 hold its tokens (the
+    newest one's included); the rows past them are not written yet and hold anything.
+    num_heads is a multiple of num_kv_heads: several query heads share one KV head, and which
+    share which, the SDPA table above shows.
+    Example: q (9, 64), k_cache and v_cache (128, 3, 64), seq_len 20 -> a tensor (9, 64).
     """
     raise NotImplementedError("your turn")
 '''
@@ -252,11 +254,10 @@ EXERCISE = Exercise(
     chapter="00_the_model_and_its_kv_cache",
     title="Attention of one decode token over its KV cache",
     prompt=(
-        "Write the attention of one decode token over its request's KV cache. The cache was "
-        "reserved for the longest the request may grow, so only its first seq_len rows hold "
-        "tokens. Let each group of query heads read its shared KV head, and attend. The check "
-        "compares you with PyTorch's SDPA, then runs the real model with your function in every "
-        "decode step."
+        "Write the attention of one decode token over its request's KV cache, the region "
+        "pictured above. Which KV head each query head reads is yours to work out, from the "
+        "SDPA table above. The check compares you with PyTorch's SDPA, then runs the real model "
+        "with your function in every decode step."
     ),
     full_version=(
         "kvlab keeps no region per request: its cache is a pool of blocks, and a request's K/V "
@@ -267,9 +268,11 @@ EXERCISE = Exercise(
     ),
     stub=CONTIGUOUS_STUB,
     hint=(
-        "k_cache[:seq_len] is the sequence's keys, (seq_len, num_kv_heads, head_dim). For "
-        "grouped-query attention, repeat each KV head num_heads // num_kv_heads times in a row "
-        "(repeat_interleave on the head dimension): heads 0-2 read KV head 0."
+        "Read the SDPA table again: which query heads moved with KV head 0, and how many share "
+        "each KV head, for 9 and 3, then 4 and 2? Write query head h's KV head as a formula of h, "
+        "num_heads and num_kv_heads. Then take only the request's rows, give each query head "
+        "its KV head's keys and values (repeat_interleave on the head dimension does all at "
+        "once), and attend."
     ),
     solution=decode_attention,
     imports=IMPORTS,
@@ -277,27 +280,37 @@ EXERCISE = Exercise(
         Case("one KV head per query head, the cache exactly full", _contiguous_fixed(
             "1 head, head_dim 4, seq_len 4, max_len 4", seed=1, num_heads=1, num_kv_heads=1,
             head_dim=4, seq_len=4),
-            "softmax(q . k * scale) over the keys weights the values."),
+            "Chapter 00's attention (the docstring): each query head's softmax of "
+            "(q . k) * scale over the keys weights the values."),
         Case("rows past seq_len are not the sequence's: reserved, not written", _contiguous_fixed(
             "seq_len 5 in a cache of max_len 12", seed=2, num_heads=2, num_kv_heads=2,
             head_dim=4, seq_len=5, max_len=12),
-            "Attend over the first seq_len rows only: the rest hold whatever was there."),
+            "Chapter 00's region: max_len rows are reserved, only the first seq_len are "
+            "written; the rows past them are no token's (here, large garbage). Attend over the "
+            "first seq_len rows only."),
         Case("a single token (seq_len 1)", _contiguous_fixed(
             "2 heads, seq_len 1, max_len 8", seed=3, num_heads=2, num_kv_heads=2, head_dim=4,
-            seq_len=1, max_len=8), "With one key the softmax weight is 1: the output is v."),
+            seq_len=1, max_len=8), "Chapter 00's region, one row written: with one key the "
+            "softmax weight is 1, so each query head's output is its KV head's value row 0."),
         Case("grouped-query attention: 9 query heads share 3 KV heads (SmolLM2)",
              _contiguous_fixed("9 query heads, 3 KV heads, head_dim 8, seq_len 10", seed=4,
                                num_heads=9, num_kv_heads=3, head_dim=8, seq_len=10, max_len=16),
-             "Query head h reads KV head h // (num_heads // num_kv_heads): heads 0-2 read KV "
-             "head 0, 3-5 read KV head 1, 6-8 read KV head 2."),
+             "Chapter 00's SDPA table: changing KV head 0 moved query heads 0, 1, 2, KV head "
+             "1 moved 3, 4, 5, KV head 2 moved 6, 7, 8. Neighbouring query heads share a KV "
+             "head, num_heads // num_kv_heads of them: query head h reads KV head "
+             "h // (num_heads // num_kv_heads), not h % num_kv_heads."),
         Case("multi-query attention: 4 query heads, 1 KV head", _contiguous_fixed(
             "4 query heads, 1 KV head, seq_len 6", seed=5, num_heads=4, num_kv_heads=1,
-            head_dim=4, seq_len=6, max_len=9), "Every query head reads the one KV head."),
+            head_dim=4, seq_len=6, max_len=9),
+             "Chapter 00's SDPA table, taken to one KV head: every query head reads it."),
         Case("the scale is applied to q . k", _contiguous_fixed(
             "scale 0.37", seed=6, num_heads=2, num_kv_heads=2, head_dim=4, seq_len=6,
             max_len=8, scale=0.37),
-            "Multiply the scores by `scale` before the softmax (it is not always 1/sqrt(D))."),
-        Case("40 random shapes and lengths", _contiguous_random),
+            "The docstring's contract: multiply the scores by `scale` before the softmax (it "
+            "is not always 1/sqrt(D))."),
+        Case("40 random shapes and lengths", _contiguous_random,
+             "Chapter 00's SDPA table holds for any shape: num_heads // num_kv_heads "
+             "neighbouring query heads per KV head, and only the first seq_len rows."),
         Case("real model: the decode path of every layer, same tokens as kvlab",
              real_model_case("decode_attention", _ParticipantContiguousBackend),
              "The fast cases passed, so compare what your function does with a (9, 64) query and "

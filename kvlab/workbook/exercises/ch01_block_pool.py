@@ -78,17 +78,18 @@ POOL_STUB = '''from collections import OrderedDict
 
 
 class TinyBlockPool:
-    """Block ids 0 .. num_blocks - 1, their reference counts, and a free queue.
+    """Block ids 0 .. num_blocks - 1, a reference count each (how many block tables hold the
+    block), and a free queue: the blocks nobody holds, in the order they will be handed out.
+    Every call must leave the pool as kvlab's pool in the trace above leaves it.
 
-    get_new_blocks(n): n block ids from the head of the free queue, each now held once. If
-        fewer than n are free, raise ValueError; what should the pool hold afterwards? (The
-        scene above this exercise shows what goes wrong otherwise.)
-    free_blocks(block_ids): drop one reference each; the blocks now held by nobody go back to
-        the HEAD of the queue. In which order? Work it out from the example.
-    touch(block_ids): one more reference each; a free block leaves the queue.
-    get_num_free_blocks(): how many blocks are free.
+    get_new_blocks(n): a list of n block ids from the free queue, each now held once; if fewer
+        than n are free, raise ValueError.
+    free_blocks(block_ids): drop one reference each; a block whose count reaches 0 is free.
+    touch(block_ids): one more reference each (a free block is held again).
+    get_num_free_blocks(): how many blocks are free, an int.
+    Invariant: a block is in the free queue exactly when its count is 0.
     Example: pool = TinyBlockPool(4); pool.get_new_blocks(3) -> [0, 1, 2];
-    pool.free_blocks([2, 0]); pool.get_new_blocks(3) -> [2, 0, 3]
+    pool.get_num_free_blocks() -> 1
     """
 
     def __init__(self, num_blocks):
@@ -318,11 +319,10 @@ BLOCK_POOL = Exercise(
     chapter="01_contiguous_vs_paged",
     title="The block pool",
     prompt=(
-        "Write the block pool: block ids with a reference count each, and a free queue. New "
-        "blocks come from the head of the queue, and blocks whose last reference is dropped go "
-        "back to its head (vLLM 0.33.0: a block holding no cached prefix is reused first). Two "
-        "rules are yours to work out: what a request that asks for too many blocks leaves "
-        "behind, and the order in which freed blocks are queued. The check replays the same "
+        "Write the block pool: block ids with a reference count each, and a free queue. Its "
+        "rules are yours to work out from the trace of kvlab's pool above: which end of the "
+        "queue new blocks come from, where freed blocks go and in which order, and what a "
+        "request that asks for too many blocks leaves behind. The check replays the same "
         "operations on your pool and on kvlab's, then runs a real engine on yours."
     ),
     full_version=(
@@ -336,48 +336,56 @@ BLOCK_POOL = Exercise(
     ),
     stub=POOL_STUB,
     hint=(
-        "An OrderedDict is a queue you can also delete from in the middle: popitem(last=False) "
-        "pops the head, `queue[block_id] = None` then `queue.move_to_end(block_id, last=False)` "
-        "puts a block at the head (insert the freed blocks last one first, so the first freed "
-        "ends up at the very head), `del queue[block_id]` takes a block out. Keep a list of ref counts beside it; a block is in the queue exactly "
-        "when its count is 0."
+        "Put the free queue of each line of the trace beside the line before it: which end "
+        "does get_new_blocks take from, where do the blocks of free_blocks([1, 3]) land, which "
+        "of the two first, and what did the refused call change? An OrderedDict is a queue you "
+        "can also delete from in the middle: popitem(last=False) pops the head, "
+        "`queue[block_id] = None` then `queue.move_to_end(block_id, last=False)` puts a block "
+        "at the head, `del queue[block_id]` takes a block out. Keep a list of ref counts beside "
+        "it."
     ),
     solution=TinyBlockPool,
     imports="from collections import OrderedDict",
     cases=[
         Case("a fresh pool hands out blocks 0, 1, 2, ... in order",
              _fixed(5, [("get", 2), ("get", 1), ("get", 0)]),
-             "Initially the free queue is 0, 1, ..., num_blocks - 1; get_new_blocks pops its "
-             "head."),
+             "Chapter 01's pool trace, first lines: a new pool's free queue is 0, 1, ..., "
+             "num_blocks - 1, and get_new_blocks(4) took 0, 1, 2, 3 from its head."),
         Case("freed blocks go back to the head: the most recently freed is reused first",
              _fixed(4, [("get", 4), ("free", [2, 0]), ("free", [3]), ("get", 3)]),
-             "free_blocks puts the freed blocks at the head, get_new_blocks pops the head: after "
-             "freeing 2, 0, then 3, the next three blocks are 3, 2, 0."),
+             "Chapter 01's pool trace: free_blocks([1, 3]) turned the queue [4, 5] into "
+             "[1, 3, 4, 5]: freed blocks go to the head, so the most recently freed is reused "
+             "first. After freeing 2, 0, then 3, the next three blocks are 3, 2, 0."),
         Case("freed blocks are reused before blocks never used",
              _fixed(4, [("get", 3), ("free", [2, 0]), ("get", 3)]),
-             "After taking 0, 1, 2 the queue is [3]; freeing 2, 0 makes it [2, 0, 3] (the first "
-             "given first), so the next three blocks are 2, 0, 3."),
+             "Chapter 01's pool trace: free_blocks([1, 3]) made [4, 5] into [1, 3, 4, 5], the "
+             "first given at the very head. Here the queue is [3]; freeing 2, 0 makes it "
+             "[2, 0, 3], so the next three blocks are 2, 0, 3."),
         Case("all or nothing: asking for more than is free raises ValueError and takes nothing",
              _fixed(3, [("get", 2), ("get", 2), ("get", 1)]),
-             "Check the free count before popping anything, and raise ValueError if it is too "
-             "small."),
+             "Chapter 01's pool trace: the refused get_new_blocks left the free queue exactly "
+             "as it was. A request that cannot run on part of its blocks must not keep them "
+             "(nobody else could use them): check the free count before popping anything."),
         Case("asking for exactly every free block succeeds", _fixed(3, [("get", 1), ("get", 2)]),
-             "n blocks can be handed out when n <= the number of free blocks."),
+             "n blocks can be handed out when n <= the number of free blocks (chapter 01's "
+             "allocation table: B's last row took the last free block)."),
         Case("a shared block stays held until its last reference is dropped",
              _fixed(3, [("get", 2), ("touch", [1]), ("free", [1]), ("get", 1), ("free", [1]),
                         ("get", 1)]),
-             "touch adds a reference; free_blocks drops one, and only a block at 0 references "
-             "is free."),
+             "Chapter 01's pool trace: after touch([2]) block 2 was held twice, and "
+             "free_blocks([2, 0]) freed only 0. touch adds a reference, free_blocks drops one; "
+             "only a block at 0 references is free."),
         Case("touching a free block takes it out of the free queue",
              _fixed(4, [("get", 2), ("free", [0, 1]), ("touch", [0]), ("get", 3)]),
-             "A free block (ref count 0) that gets a reference leaves the queue: nobody else may "
-             "be handed it. Later it is freed again like any other block."),
+             "Chapter 01's pool trace: touch([4]) on a free block took 4 out of the free queue "
+             "(nobody else may be handed it). Later it is freed again like any other block."),
         Case("a block touched several times needs as many frees",
              _fixed(2, [("get", 1), ("touch", [0]), ("touch", [0]), ("free", [0]),
                         ("free", [0]), ("get", 2)]),
-             "Each touch is one more reference to drop."),
+             "Chapter 01's pool trace: each touch is one more reference to drop."),
         Case("150 random scripts of get / free / touch, compared with kvlab's BlockPool",
-             _random_scripts),
+             _random_scripts, "Every line of chapter 01's pool trace, in any order: head in, "
+             "head out, the first freed first, all or nothing, one reference per touch."),
         Case("real model: a tight pool (preemption, n=2 forks), same tokens as kvlab",
              _pool_real_model, "The engine frees a request's blocks last block first, shares "
              "blocks between the samples of n=2 with touch, and frees them as samples finish.",
@@ -404,11 +412,14 @@ def allocate_slots(block_table, num_tokens, block_size, pool):
 
 
 ALLOCATE_STUB = '''def allocate_slots(block_table, num_tokens, block_size, pool):
-    """Make block_table (a list of block ids, extended in place) cover the first num_tokens
-    tokens, taking new blocks from the pool: pool.get_num_free_blocks(), pool.get_new_blocks(n)
-    -> list of ids. Return True; or, if the pool has too few free blocks, return False and take
-    nothing. Example: block_size 4, block_table [7] (4 tokens' room), num_tokens 9 -> takes
-    2 blocks, block_table becomes [7, a, b], returns True.
+    """Before a step computes a request's first num_tokens tokens, give its block table (a
+    list of block ids, changed in place) room for them, as kvlab's KVCacheManager does in the
+    allocation table above: afterwards block_table and the pool's free count must be what
+    that table would show, and the return value its answer (True or False). A block holds
+    block_size tokens. New blocks come only from pool.get_new_blocks(n) (a list of n ids,
+    appended in that order); pool.get_num_free_blocks() says how many it has.
+    Example: block_size 4, block_table [], num_tokens 8, 4 free blocks -> block_table becomes
+    [a, b] (two ids from the pool), 2 free blocks left, returns True.
     """
     raise NotImplementedError("your turn")
 '''
@@ -516,10 +527,10 @@ ALLOCATE_SLOTS = Exercise(
     title="Paged allocation: allocate_slots",
     prompt=(
         "Write paged allocation: before a step computes a request's tokens, its block table "
-        "must cover them. Take only the blocks that are missing, from the pool, and only if "
-        "all of them are free; otherwise take nothing and say no. The check compares you with "
-        "kvlab's KVCacheManager, then runs a real engine whose pool is too small, so requests "
-        "are refused and preempted."
+        "must have room for them. Work out the rule from the allocation table above: how many "
+        "blocks a call takes, which blocks a table keeps, and what a refused call leaves "
+        "behind. The check compares you with kvlab's KVCacheManager, then runs a real engine "
+        "whose pool is too small, so requests are refused and preempted."
     ),
     full_version=(
         "kvlab's KVCacheManager.allocate_slots (kvlab/kv_cache.py) keeps each request's table "
@@ -531,28 +542,41 @@ ALLOCATE_SLOTS = Exercise(
     ),
     stub=ALLOCATE_STUB,
     hint=(
-        "Blocks needed for n tokens: (n + block_size - 1) // block_size. New blocks: that minus "
-        "len(block_table), but never below 0. Compare with pool.get_num_free_blocks() before "
-        "calling pool.get_new_blocks."
+        "Read the allocation table's rows for A at 3, 4, 5 and 9 tokens: how many blocks does "
+        "A hold for each, and how many did each call take? Then B's refused row: what changed? "
+        "A count of blocks for n tokens rounds n / block_size up; decide with "
+        "pool.get_num_free_blocks() before you call pool.get_new_blocks."
     ),
     solution=allocate_slots,
     cases=[
         Case("an empty table: 5 tokens in blocks of 4 take 2 blocks", _alloc_case(0, 5, 4, 4),
-             "A partly filled block is a whole block: round up."),
+             "Chapter 01's allocation table: A at 5 tokens held 2 blocks of 4. A partly "
+             "filled block is a whole block: round up."),
         Case("exactly two blocks' worth: 8 tokens take 2 blocks, not 3", _alloc_case(0, 8, 4, 4),
+             "Chapter 01's allocation table: A at 4 tokens held 1 block of 4, not 2. "
              "(8 + 4 - 1) // 4 == 2."),
         Case("one token past a block boundary takes a new block", _alloc_case(2, 9, 4, 3),
-             "Token 8 (the 9th) is the first slot of block 2."),
+             "Chapter 01's allocation table: A went from 2 blocks at 5 tokens to 3 at 9; "
+             "token 8 (the 9th) is the first slot of a third block."),
         Case("a table that already covers the tokens takes nothing", _alloc_case(2, 7, 4, 3),
-             "Only the missing blocks are new; return True without taking any."),
+             "Chapter 01's allocation table: A at 4 tokens, already holding the block that 3 "
+             "tokens took, took nothing and said True. Only the missing blocks are new."),
         Case("a table longer than needed is left alone", _alloc_case(3, 5, 4, 2),
-             "The number of new blocks is never negative (and never shrinks the table)."),
+             "Chapter 01's allocation table: A asked for 7 tokens while holding 3 blocks and "
+             "kept all 3. The number of new blocks is never negative, and a table never "
+             "shrinks here."),
         Case("exactly as many free blocks as needed: yes", _alloc_case(1, 12, 4, 2),
-             "needed <= free is enough."),
+             "Chapter 01's allocation table: B's last row needed 1 block with 1 free and got "
+             "it. needed <= free is enough."),
         Case("one block short: False, and nothing taken", _alloc_case(1, 13, 4, 2),
-             "Check before you take: a refused request must not keep half of its blocks."),
-        Case("block_size 1", _alloc_case(2, 5, 1, 3), "One block per token."),
-        Case("300 random calls, compared with kvlab's KVCacheManager", _alloc_random),
+             "Chapter 01's allocation table: B's refused row left its table and the free count "
+             "as they were. Check before you take: a refused request must not keep part of its "
+             "blocks (it cannot run on them, and nobody else can use them)."),
+        Case("block_size 1", _alloc_case(2, 5, 1, 3),
+             "Chapter 01's allocation table with blocks of 1 token: one block per token."),
+        Case("300 random calls, compared with kvlab's KVCacheManager", _alloc_random,
+             "Every row of chapter 01's allocation table, for any block_size: round up, take "
+             "only the missing blocks, all or nothing."),
         Case("real model: a tight pool, same schedule and tokens as kvlab", _allocate_real_model,
              "Every step calls allocate_slots for each request before it runs.", real_model=True),
     ],

@@ -53,12 +53,14 @@ STUB = '''import torch
 def paged_decode_attention(q, kv_layer, block_table, seq_len, scale):
     """Attention output of one decode token: q (num_heads, head_dim) -> (num_heads, head_dim).
 
-    kv_layer: (2, num_blocks, block_size, num_kv_heads, head_dim), keys at [0], values at [1].
-    block_table: a list of block ids. Token p of the sequence sits in block
-    block_table[p // block_size], slot p % block_size. Example: block_size 4, block_table
-    [7, 2], seq_len 6 -> keys from block 7 slots 0-3, then block 2 slots 0-1; what is in block
-    2's slots 2-3? The heads are grouped as in chapter 00's exercise; the attention itself is
-    that exercise's.
+    Row h of the output is chapter 00's decode_attention for query head h, over this
+    sequence's seq_len tokens (the newest one's included). kv_layer: one layer of the pool,
+    (2, num_blocks, block_size, num_kv_heads, head_dim), keys at [0], values at [1].
+    block_table: this sequence's block ids, a list. Which slots of which blocks hold its
+    tokens, in which order, the engine's slot table above shows; every other slot of the pool
+    holds another sequence's K/V or garbage.
+    Example: q (9, 64), kv_layer (2, 40, 16, 3, 64), block_table [12, 3], seq_len 20 ->
+    a tensor (9, 64).
     """
     raise NotImplementedError("your turn")
 '''
@@ -70,9 +72,10 @@ EXERCISE = Exercise(
     title="Attention through the block table",
     prompt=(
         "Write chapter 00's decode attention again, now over the paged pool: a sequence's keys "
-        "and values are not in one region but in the blocks its block table lists, anywhere in "
-        "the pool. Gather them back in order, then attend as before. The check compares you "
-        "with PyTorch's SDPA, then runs the real model with your function in every decode step."
+        "and values are not in one region but in blocks anywhere in the pool. Where its token p "
+        "is, and which slots are not its own, work out from the engine's slot table above. The "
+        "check compares you with PyTorch's SDPA, then runs the real model with your function "
+        "in every decode step."
     ),
     full_version=(
         "kvlab's decode path (kvlab/attention.py, paged_attention_decode) attends for every "
@@ -86,10 +89,11 @@ EXERCISE = Exercise(
     ),
     stub=STUB,
     hint=(
-        "kv_layer[0][block_table] picks the sequence's blocks in logical order: shape "
-        "(num_used_blocks, block_size, num_kv_heads, head_dim). Reshape it to (-1, num_kv_heads, "
-        "head_dim) and slice [:seq_len]. For grouped-query attention, repeat each KV head "
-        "num_heads // num_kv_heads times (repeat_interleave on the head dimension)."
+        "In the slot table, write the block and the slot of r0's position 4 in terms of its "
+        "block table and the block size; then ask which slots of its last block it has not "
+        "written. Indexing kv_layer[0] with the whole block table gives (len(block_table), "
+        "block_size, num_kv_heads, head_dim): flatten the first two dimensions and you have "
+        "chapter 00's region."
     ),
     solution=paged_decode_attention,
     imports=IMPORTS,
@@ -97,44 +101,55 @@ EXERCISE = Exercise(
         Case("one KV head per query head, one full block", _fixed(
             "1 head, head_dim 4, block_size 4, seq_len 4", seed=1, num_heads=1, num_kv_heads=1,
             head_dim=4, block_size=4, seq_len=4),
-            "Gather the sequence's K and V through the block table, then softmax(q . k * scale) "
-            "weights the values."),
+            "Chapter 01's slot table: the sequence's tokens are in the blocks of its table; "
+            "chapter 00's attention over them: softmax(q . k * scale) weights the values."),
         Case("blocks anywhere in the pool, in block-table order", _fixed(
             "2 heads, block_size 2, seq_len 8, shuffled block table", seed=3, num_heads=2,
             num_kv_heads=2, head_dim=4, block_size=2, seq_len=8),
-            "Logical block i of the sequence is physical block block_table[i]: index the pool "
-            "with the whole table to get the blocks in order."),
+            "Chapter 01's slot table: r0's block table is [2, 1], and its positions 0-3 are in "
+            "block 2, position 4 in block 1. Entry i of the table holds positions "
+            "i * block_size onwards, whatever the block's id."),
         Case("the last block partly filled: its other slots are not ours", _fixed(
             "block_size 5, seq_len 7 (block 1 holds 2 tokens and 3 garbage slots)", seed=4,
             num_heads=3, num_kv_heads=3, head_dim=4, block_size=5, seq_len=7),
-            "Attend over exactly seq_len keys: cut the gathered row of slots at seq_len."),
+            "Chapter 01's slot table: a request's last block fills slot by slot, and its slots "
+            "past the newest token are not written (they hold garbage here). Attend over "
+            "exactly seq_len keys."),
         Case("a single token (seq_len 1)", _fixed(
             "2 heads, block_size 4, seq_len 1", seed=2, num_heads=2, num_kv_heads=2, head_dim=4,
-            block_size=4, seq_len=1), "With one key the softmax weight is 1: the output is v."),
+            block_size=4, seq_len=1), "One token, in slot 0 of the table's first block: with "
+            "one key the softmax weight is 1, so each query head's output is that value."),
         Case("seq_len an exact multiple of block_size", _fixed(
             "block_size 4, seq_len 8", seed=5, num_heads=2, num_kv_heads=1, head_dim=8,
-            block_size=4, seq_len=8), "seq_len // block_size full blocks, nothing more."),
+            block_size=4, seq_len=8), "Chapter 01's slot table: a block holds block_size "
+            "positions, so 8 tokens in blocks of 4 fill exactly two."),
         Case("a block table longer than the sequence needs", _fixed(
             "block_size 4, seq_len 6, 3 blocks in the table", seed=6, num_heads=2,
             num_kv_heads=2, head_dim=4, block_size=4, seq_len=6, extra_blocks=1),
-            "Read seq_len tokens, not len(block_table) * block_size."),
+            "Chapter 01's allocation table: a table can hold more blocks than the tokens "
+            "reach (A's row of 7 tokens keeps 3 blocks); read seq_len tokens, not "
+            "len(block_table) * block_size."),
         Case("block_size 1", _fixed(
             "block_size 1, seq_len 5", seed=7, num_heads=2, num_kv_heads=2, head_dim=4,
-            block_size=1, seq_len=5), "With block_size 1 every token has its own block."),
+            block_size=1, seq_len=5), "The slot table with block_size 1: position p is slot "
+            "0 of the table's block p."),
         Case("grouped-query attention: 9 query heads share 3 KV heads (SmolLM2)", _fixed(
             "9 query heads, 3 KV heads, head_dim 8, block_size 4, seq_len 10", seed=8,
             num_heads=9, num_kv_heads=3, head_dim=8, block_size=4, seq_len=10),
-            "Query head h reads KV head h // (num_heads // num_kv_heads): heads 0-2 read KV "
-            "head 0, 3-5 read KV head 1, 6-8 read KV head 2."),
+            "Chapter 00's SDPA table: query heads 0, 1, 2 read KV head 0, 3-5 KV head 1, 6-8 "
+            "KV head 2; query head h reads KV head h // (num_heads // num_kv_heads)."),
         Case("multi-query attention: 4 query heads, 1 KV head", _fixed(
             "4 query heads, 1 KV head, block_size 4, seq_len 6", seed=9, num_heads=4,
             num_kv_heads=1, head_dim=4, block_size=4, seq_len=6),
-            "Every query head reads the one KV head."),
+            "Chapter 00's SDPA table, taken to one KV head: every query head reads it."),
         Case("the scale is applied to q . k", _fixed(
             "scale 0.37", seed=10, num_heads=2, num_kv_heads=2, head_dim=4, block_size=4,
             seq_len=6, scale=0.37),
-            "Multiply the scores by `scale` before the softmax (it is not always 1/sqrt(D))."),
-        Case("40 random shapes, block sizes and lengths", _random_shapes),
+            "Chapter 00's contract: multiply the scores by `scale` before the softmax (it is "
+            "not always 1/sqrt(D))."),
+        Case("40 random shapes, block sizes and lengths", _random_shapes,
+             "Any shape: chapter 01's slot table for where each token is, chapter 00's SDPA "
+             "table for which KV head each query head reads."),
         Case("real model: the decode path of every layer, same tokens as kvlab",
              real_model_case("paged_attention", _ParticipantDecodeBackend),
              "The fast cases passed, so compare what your function does with a (9, 64) query and "
