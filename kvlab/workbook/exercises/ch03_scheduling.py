@@ -74,22 +74,20 @@ def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
 
 STUB = '''def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
                   max_num_batched_tokens):
-    """Decide one step. Requests have .request_id, .num_tokens, .num_computed_tokens and
-    .num_blocks (blocks held). A scheduled request computes num_tokens - num_computed_tokens
-    new tokens: 1 for a running request (they are all decoding here), the whole prompt for a
-    waiting one (no chunking until chapter 04), and must hold enough blocks for
-    num_computed_tokens + those new tokens. max_num_batched_tokens is the step's token budget:
-    every token scheduled spends it, a decode's too. max_num_seqs: how many may be running
-    after the step (a running request the budget leaves out this step keeps its seat).
+    """Decide one step as kvlab's scheduler does in the trace above. Requests have .request_id,
+    .num_tokens, .num_computed_tokens and .num_blocks (blocks held). running is in admission
+    order (the oldest first, the newest last), every one of them decoding; waiting is in
+    arrival order.
 
-    running is oldest first (its last element is the newest); waiting in arrival order.
-    Running requests first; if blocks run out, preempt the newest running request (its blocks
-    become free) until the request fits or was itself preempted. Then, only if nobody was
-    preempted, admit waiting requests in order; stop at the first that does not fit. What
-    happens to a running request when the budget is already spent? Return
-    (scheduled, preempted): [(request_id, num_new_tokens), ...] and [request_id, ...] in the
-    order preempted. Example: running [a], waiting [b (5 tokens)], plenty of room ->
-    ([("a", 1), ("b", 5)], []).
+    Return (scheduled, preempted): [(request_id, num_new_tokens), ...] and the ids of the
+    requests preempted, in the order they were preempted. What must hold after the step:
+    - a scheduled request computes num_tokens - num_computed_tokens new tokens (1 for a running
+      one, the whole prompt for a waiting one: no chunking until chapter 04) and holds blocks
+      for num_computed_tokens + those tokens, taken from the free ones;
+    - at most max_num_batched_tokens new tokens in all, a decode's token too, and at most
+      max_num_seqs requests running (a running request the step leaves out keeps its seat);
+    - a preempted request was running: its blocks are free at once, and it is not scheduled.
+    Example: running [a], waiting [b (5 tokens)], plenty of room -> ([("a", 1), ("b", 5)], []).
     """
     raise NotImplementedError("your turn")
 '''
@@ -271,6 +269,63 @@ def _real_model(impl) -> None:
     _real_engine.check_bookkeeping(engine)
 
 
+# ---- the chapter's evidence: kvlab's own decisions, step by step, on a real engine -------------
+class _RecordingScheduler(Scheduler):
+    """kvlab's Scheduler, unchanged, writing down each step's state and decision."""
+
+    rows = None
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        before = dict(
+            running=[(r.request_id, r.num_computed_tokens, len(kv.get_block_ids(r.request_id)))
+                     for r in self.running],
+            waiting=[(r.request_id, r.num_tokens) for r in self.waiting],
+            free=kv.block_pool.get_num_free_blocks())
+        out = super().schedule()
+        self.rows.append(dict(step=len(self.rows) + 1, **before,
+                              scheduled={r.request_id: n for r, n in out.scheduled},
+                              preempted=[r.request_id for r in out.preempted]))
+        return out
+
+
+def trace_steps(prompt_lens, max_tokens, *, block_size, kv_cache_tokens, max_num_seqs,
+                max_num_batched_tokens) -> list[dict]:
+    """Requests r0, r1, ... (prompts of these lengths, max_tokens new tokens each, all added
+    at once) through a real engine with kvlab's scheduler, in the synchronous loop with the
+    prefix cache and chunked prefill off, as the exercise has it: one dict per step, with the
+    state the scheduler saw (running [(id, computed tokens, blocks)], waiting [(id, tokens)],
+    free blocks) and what it decided (scheduled {id: new tokens}, preempted [ids])."""
+    from kvlab.sampling import SamplingParams
+
+    rows: list[dict] = []
+    engine = _real_engine.new_engine(
+        block_size=block_size, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_num_batched_tokens,
+        enable_chunked_prefill=False, async_scheduling=False, enable_prefix_caching=False,
+        scheduler_cls=_real_engine.with_attrs(_RecordingScheduler, rows=rows))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(_real_engine.prompt_ids(prompt_lens)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return rows
+
+
+def format_trace(rows) -> str:
+    """The trace as a table: a running request as id:computed tokens/blocks held, a waiting
+    one as id(tokens), then the step's decision."""
+    lines = [f"{'step':>4} {'free':>4}  {'running (id:computed/blocks)':<28} "
+             f"{'waiting (id(tokens))':<32} scheduled {{id: new tokens}}, preempted"]
+    for r in rows:
+        running = " ".join(f"{rid}:{c}/{b}" for rid, c, b in r["running"]) or "-"
+        waiting = " ".join(f"{rid}({n})" for rid, n in r["waiting"]) or "-"
+        decided = str(r["scheduled"]) + (f", preempted {r['preempted']}" if r["preempted"]
+                                         else "")
+        lines.append(f"{r['step']:>4} {r['free']:>4}  {running:<28} {waiting:<32} {decided}")
+    return "\n".join(lines)
+
+
 def _d(rid, n, bs=4):
     return _decode(rid, n, bs)
 
@@ -280,11 +335,12 @@ EXERCISE = Exercise(
     chapter="03_continuous_batching",
     title="One scheduling step",
     prompt=(
-        "Write the scheduler's decision for one step. Running requests decode first, oldest "
-        "first; when one needs a block and none is free, preempt the newest running request "
-        "until it fits. Then, if nobody was preempted, admit waiting requests in arrival order "
-        "while seats, the token budget and free blocks allow. The check compares your decisions "
-        "with kvlab's scheduler, then lets yours drive a real engine."
+        "Write one step of kvlab's scheduler: which requests compute how many tokens, and which "
+        "running requests are preempted. Which requests are served first, who gives way when "
+        "blocks run out, and when waiting requests may start: work them out from the trace "
+        "above, where each line is the state kvlab's scheduler saw and what it decided. The "
+        "check compares your decisions with kvlab's scheduler, then lets yours drive a real "
+        "engine."
     ),
     full_version=(
         "kvlab's Scheduler.schedule (kvlab/scheduler.py) follows vLLM's shape: one token budget "
@@ -297,61 +353,79 @@ EXERCISE = Exercise(
     ),
     stub=STUB,
     hint=(
-        "Keep three running totals: free blocks, budget, seats. A decode needs "
-        "ceil((num_computed_tokens + 1) / block_size) - num_blocks new blocks (0 or 1). To "
-        "preempt, pop the last running request and add its num_blocks to the free count; if "
-        "you popped the request you were scheduling, stop. Admission stops at the first waiting "
-        "request that does not fit."
+        "Replay the trace with three running totals: free blocks, budget, seats. At step 4, r0 "
+        "needs a block and none is free: who goes? Then r1 needs one: who goes now? After that "
+        "step 3 blocks are free and a seat is empty: is r3 admitted? At step 1, r1 does not fit "
+        "the budget left: is r2, which would? A decode needs ceil((num_computed_tokens + 1) / "
+        "block_size) - num_blocks new blocks."
     ),
     solution=schedule_step,
     cases=[
         Case("running requests decode, waiting ones are admitted",
              _scene([_d("a", 5)], [_prompt("b", 5)], free=4),
-             "Each running request gets 1 token; a waiting one gets its whole prompt."),
+             "Each running request gets 1 token, a waiting one its whole prompt (chapter 03's "
+             "trace, step 2: r0 1, r1 11, r2 2)."),
         Case("decodes come first when the budget is short",
              _scene([_d("a", 5), _d("b", 6)], [_prompt("c", 3)], free=4, budget=2),
-             "Running requests are scheduled before any waiting one is considered."),
+             "Running requests are served before any waiting one (chapter 03's trace, step 6: "
+             "r2's decode took one of the 2 free blocks before r3, which needed both, was "
+             "considered; r3 waited)."),
         Case("the budget also limits decodes", _scene([_d("a", 5), _d("b", 6), _d("c", 7)], [],
                                                       free=4, budget=2),
-             "Stop when the budget is spent: the third decode waits for the next step."),
+             "Every token spends the budget, a decode's too, oldest first: the third decode "
+             "waits for the next step and keeps its seat."),
         Case("a prompt that exactly fills the budget is admitted",
              _scene([_d("a", 5)], [_prompt("b", 7)], free=4, budget=8),
-             "num_new_tokens <= budget left."),
+             "num_new_tokens <= budget left: a prompt may spend the budget's last token."),
         Case("first come, first served: a waiting prompt that does not fit stops admission",
              _scene([], [_prompt("a", 9), _prompt("b", 2)], free=8, budget=8),
-             "Nobody overtakes the head of the queue, even one that would fit."),
+             "Chapter 03's trace, step 1: r1 (11 tokens) did not fit the budget left, and r2 (2 "
+             "tokens), which would have, was not admitted either: nobody overtakes the head of "
+             "the queue."),
         Case("seats: at most max_num_seqs running", _scene(
             [_d("a", 5)], [_prompt("b", 3), _prompt("c", 3), _prompt("d", 3)], free=8, seats=3),
-             "Running requests hold seats too: 1 running + 2 admitted = 3."),
+             "Running requests hold seats too (chapter 03's trace, step 3: three running, three "
+             "seats, r3 waits): 1 running + 2 admitted = 3."),
         Case("a prompt needs all its blocks free", _scene(
             [], [_prompt("a", 9), _prompt("b", 1)], free=2),
-             "9 tokens in blocks of 4 need 3 blocks; with 2 free it waits (and so does b)."),
+             "9 tokens in blocks of 4 need 3 blocks; with 2 free it waits, and b behind it too "
+             "(chapter 03's trace, step 6: r3 needed 2 blocks, 1 was left, nobody was admitted)."),
         Case("a prompt that needs exactly the free blocks is admitted",
              _scene([], [_prompt("a", 8)], free=2), "needed <= free."),
         Case("a decode that fills its last slot needs no new block",
              _scene([_d("a", 6), _d("b", 7)], [], free=0),
-             "Positions 6 and 7 are still in block 1: no block needed."),
+             "Positions 6 and 7 are still in block 1: no block needed (chapter 03's trace, step "
+             "3: r0 at position 11 decoded in its 3 blocks)."),
         Case("a decode at a block boundary takes the last free block",
              _scene([_d("a", 8), _d("b", 6)], [], free=1),
-             "Position 8 starts block 2: one new block, and exactly one is free."),
+             "Position 8 starts block 2: one new block, and exactly one is free (chapter 03's "
+             "trace, step 6: r2 at position 4 took a block)."),
         Case("out of blocks: the newest running request is preempted",
              _scene([_d("a", 8), _d("b", 4), _d("c", 3)], [], free=1),
-             "a takes the free block; b needs one: preempt c (the newest), whose block frees."),
+             "Chapter 03's trace, step 4: r0, the oldest, needed a block and none was free; r2, "
+             "the newest, was preempted, and its block went to r0 in the same step. Here a takes"
+             " the free block; b needs one: preempt c, the newest."),
         Case("a request that is itself the newest preempts itself",
              _scene([_d("a", 8), _d("b", 8)], [], free=1),
-             "b needs a block and is the last running request: it is the one preempted."),
+             "Chapter 03's trace, step 4: r1 needed a block when it was itself the newest "
+             "running request, and r1 was the one preempted."),
         Case("several preemptions, newest first", _scene(
             [_d("a", 8), _d("b", 4), _d("c", 3), _d("d", 2)], [], free=0),
-             "a needs a block: preempt d, the newest. Then b needs one: preempt c. List them in "
-             "the order they were preempted."),
+             "Chapter 03's trace, step 4: preempted ['r2', 'r1'], the newest first, listed in "
+             "the order they were preempted. Here a needs a block: preempt d; then b needs one: "
+             "preempt c."),
         Case("after a preemption nobody is admitted",
              _scene([_d("a", 8), _d("b", 9)], [_prompt("w", 1)], free=0),
-             "Preempting b left 2 blocks free, and w would fit; but memory is short, and "
-             "admitting now would only cause more preemption. A step that preempts admits "
-             "nobody."),
-        Case("400 random states, compared with kvlab's Scheduler", _random),
+             "Chapter 03's trace, step 4: after the preemptions 3 blocks were free and a seat "
+             "was empty, yet r3 (8 tokens, 2 blocks) was not admitted. Memory is short: a step "
+             "that preempts admits nobody."),
+        Case("400 random states, compared with kvlab's Scheduler", _random,
+             "The state and kvlab's decision are printed above; replay it as chapter 03's trace "
+             "does: running requests oldest first, the newest giving way, then the queue's head."),
         Case("real model: your decisions drive the engine, same steps and tokens as kvlab",
-             _real_model, real_model=True),
+             _real_model,
+             "The first step where yours and kvlab's differ is printed above, "
+             "in the form of chapter 03's trace.", real_model=True),
     ],
 )
 EXERCISES = [EXERCISE]

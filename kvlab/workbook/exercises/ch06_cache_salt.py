@@ -38,10 +38,12 @@ STUB = '''import statistics
 
 
 def looks_cached(ttft, cold_ttfts, warm_ttfts):
-    """Return True if a request with this time to first token looks like a prefix-cache hit.
-    Times are in seconds (the calibration above printed milliseconds). cold_ttfts: the TTFTs of
-    B's own documents sent the first time (never cached); warm_ttfts: of the same documents sent
-    again (cached). The calibration may contain an outlier (a pause).
+    """Return True if a request with this time to first token looks like a prefix-cache hit,
+    False if not. Times are in seconds (the calibration above printed milliseconds).
+    cold_ttfts: the TTFTs of B's own documents sent the first time (never cached); warm_ttfts:
+    of the same documents sent again (cached). The check draws TTFTs as the calibration's were
+    drawn, a hit as often as a miss, on other machines' time scales too, and wants almost every
+    decision right, even when one calibration value is a pause of the machine.
     Example: cold [0.20, 0.21, 0.19], warm [0.05, 0.04, 0.05]: looks_cached(0.05, ...) -> True,
     looks_cached(0.20, ...) -> False.
     """
@@ -176,11 +178,11 @@ EXERCISE = Exercise(
     chapter="06_cache_salt",
     title="The timing attack",
     prompt=(
-        "Be tenant B. You sent three documents of your own twice each, so you know what a cold "
-        "and a warm (cached) first token cost. Now decide, from one request's TTFT alone, "
-        "whether the document was already cached, that is, whether tenant A sent it. The check "
-        "feeds your function synthetic TTFTs, then TTFTs measured on the real model with and "
-        "without cache_salt."
+        "Be tenant B. Your calibration above sent three documents of your own twice each: it "
+        "shows what a cold and a warm (cached) first token cost here, and how far one send can "
+        "stray. Now decide, from one request's TTFT alone, whether the document was already "
+        "cached, that is, whether tenant A sent it. The check feeds your function synthetic "
+        "TTFTs, then TTFTs measured on the real model with and without cache_salt."
     ),
     full_version=(
         "kvlab's own attacker (kvlab/bench/prefix.py, timing_attack) calibrates the same way, on "
@@ -190,36 +192,48 @@ EXERCISE = Exercise(
     ),
     stub=STUB,
     hint=(
-        "Put a threshold between the two calibration clusters and call anything faster "
-        "'cached'. Use the medians of the cold and warm TTFTs (an outlier must not move it), "
-        "and halfway between them."
+        "Look at the calibration as two groups of numbers on one line. Where between them does "
+        "a TTFT stop looking like a hit, if hits and misses are equally likely? Compute that "
+        "point from the calibration alone, then ask what one pause among three values does to "
+        "the way you computed it."
     ),
     solution=looks_cached,
     imports=IMPORTS,
     cases=[
         Case("a clear hit and a clear miss", _two_clear_cases,
-             "Faster than the calibration's middle means cached."),
+             "In chapter 06's calibration a warm (cached) send was several times faster than a "
+             "cold one: a TTFT close to the warm ones is a hit, close to the cold ones a miss."),
         Case("two well separated clusters: at least 95% right",
              _accuracy_case(0.100, 0.010, 0.040, 0.010, seed=1),
-             "Put the threshold in the middle of the gap, not near one of the clusters."),
+             "Hits scatter around the warm cluster and misses around the cold one, as in chapter"
+             " 06's calibration: a dividing line close to one cluster calls that cluster's "
+             "stragglers wrong. Put it in the middle of the gap."),
         Case("another scale (a GPU: cold 20 ms, warm 3 ms)",
              _accuracy_case(0.020, 0.002, 0.003, 0.0005, seed=2),
-             "Derive the threshold from the calibration, not from a fixed number of seconds."),
+             "Chapter 06's calibration printed this CPU's milliseconds; another machine has "
+             "other ones. Derive the line from the calibration, not from a fixed number of "
+             "seconds."),
         Case("one outlier in each calibration set", _accuracy_case(
             0.100, 0.008, 0.030, 0.004, outliers=(("cold", 2.0), ("warm", 0.5)), seed=3),
-             "A mean follows a single pause; a median does not."),
+             "A pause of the machine (one send far from its group, as chapter 06's calibration "
+             "can show) drags a mean with it; a median does not."),
         Case("wide, close clusters: at least 90% right",
              _accuracy_case(0.100, 0.015, 0.055, 0.012, need=0.9, n_cal=9, seed=4),
-             "Halfway between the two medians is the fair threshold."),
+             "A sends the document with probability one half (chapter 06's trials): a hit is as "
+             "likely as a miss, so the fair line is halfway between the two clusters' middles."),
         # Case names print before the chapter's prediction on salts: they say what is run,
         # never what B then finds.
         Case("trials drawn from the cold cluster only",
              _accuracy_case(0.100, 0.010, 0.030, 0.005, salted=True, seed=5),
-             "A cold TTFT is no evidence of a hit: say False."),
+             "A TTFT in the cold cluster is no evidence of a hit: say False, as for chapter "
+             "06's cold calibration sends."),
         Case("real model, one shared cache: right far above chance", _real_model(False),
+             "The calibration and the first trials are printed above, as chapter 06's "
+             "calibration printed them: hits near the warm group, misses near the cold one.",
              real_model=True),
         Case("real model, a cache_salt per tenant", _real_model(True),
-             real_model=True),
+             "Every trial here was cold: a line in the middle between the calibration's two "
+             "groups calls none of them a hit.", real_model=True),
     ],
 )
 EXERCISES = [EXERCISE]

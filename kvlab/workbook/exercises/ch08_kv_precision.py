@@ -45,8 +45,10 @@ def quantize_int8(x):
     (token, KV head). Return (q, scale): q an int8 tensor of x's shape, scale a float32 tensor
     of shape x.shape[:-1], one per vector, so that q * scale[..., None] reads x back.
 
-    The check wants every value read back within half a step (scale / 2) of x, the smallest
-    such error (the step as fine as int8 allows), and finite numbers for a vector of zeros.
+    What must hold, for every vector: nothing clips (each value reads back within half a step,
+    scale / 2, of x); the step is no coarser than that needs (the cell above showed what a
+    coarse step costs a quiet vector); and a vector of zeros reads back as zeros, in finite
+    numbers. Example: x of shape (6, 3, 64) -> q int8 (6, 3, 64), scale float32 (6, 3).
     """
     raise NotImplementedError("your turn")
 '''
@@ -247,27 +249,38 @@ EXERCISE = Exercise(
     ),
     stub=STUB,
     hint=(
-        "int8 holds -127..127. Reading back is q * scale, so a step is `scale` wide and "
-        "rounding costs at most half of one. Which scale makes the vector's largest |value| "
-        "land on 127 exactly? Compute it per vector (amax over the last dimension), and give "
-        "it a small floor."
+        "In the cell above, one scale for the whole layer left the quietest vector a few of its "
+        "127 steps, and a scale from the typical values clipped. For one vector, which scale "
+        "clips nothing and leaves no step unused? Then: what does your formula give for a "
+        "vector of zeros?"
     ),
     solution=quantize_int8,
     imports=IMPORTS,
     cases=[
         Case("shapes and dtypes: q int8 as x, one scale per vector", _shapes,
-             "q = x's shape in int8; scale = x.shape[:-1]."),
+             "q = x's shape in int8; scale = x.shape[:-1]: one per (token, KV head) vector, as "
+             "int8_per_token_head keeps them (chapter 08's table of what each setting stores)."),
         Case("every value within half a step (nothing clipped)", _half_step,
-             "A value larger than 127 steps cannot be stored: the scale must reach it."),
+             "A value larger than 127 steps cannot be stored: it clips (chapter 08's 'The scale "
+             "is a decision': the scale from 3 x the mean |value| clipped, and its worst error "
+             "was far over a step). The scale must reach each vector's largest |value|, negative"
+             " ones too."),
         Case("the finest step int8 allows", _finest_step,
-             "The largest |value| of each vector should land on 127, not below."),
+             "Chapter 08's 'The scale is a decision': one scale for the whole layer left the "
+             "quietest vector a few of its 127 steps, and its relative error grew. Each vector's"
+             " largest |value| should land on 127, not below."),
         Case("a loud head beside quiet ones", _loud_head,
-             "Reduce over the last dimension only: one scale per (token, head)."),
-        Case("a vector of zeros", _zeros, "Give the scale a floor, such as 1e-6."),
+             "Chapter 08's 'The scale is a decision': one scale for the layer is set by its "
+             "loudest vector. Reduce over the last dimension only: one scale per (token, head)."),
+        Case("a vector of zeros", _zeros,
+             "A vector's largest |value| can be 0, and 0 / 0 is NaN: give the scale a floor, "
+             "such as 1e-6."),
         Case("seeded random vectors, against kvlab's scales", _random,
-             "The scale is the vector's largest |value| / 127."),
+             "The scale that avoids both failures of chapter 08's 'The scale is a decision': "
+             "the vector's largest |value| / 127."),
         Case("real model: the int8 cache's next-token distributions, yours beside kvlab's",
-             _real_model, "Compare the two KL divergences printed above.", real_model=True,
+             _real_model, "Compare the two KL divergences printed above: chapter 08's table "
+             "ranks the precisions by this KL.", real_model=True,
              timeout_s=300),
     ],
 )
