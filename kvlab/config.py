@@ -29,7 +29,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # with chunked prefill; vLLM's serve defa
 def batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None,
                  enable_chunked_prefill: bool = True, max_model_len: int = 0) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) with kvlab's defaults filled in where None: the
-    budget first, then the seats, lowered to the budget only when not given (vLLM's rule)."""
+    budget first, then the seats, lowered to the budget only when not given (vLLM's rule:
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args, vllm/engine/arg_utils.py)."""
     budget = max_num_batched_tokens
     if budget is None:
         budget = (DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked_prefill

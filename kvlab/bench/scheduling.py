@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from kvlab import kv_sizing
 from kvlab.bench.common import make_prompts, mixed_workload, transformers_generate
 from kvlab.engine import LLM
 from kvlab.metrics import StepRecord
@@ -131,14 +132,18 @@ def kv_capacity_sweep(concurrencies=(1, 4, 8, 16, 32), kv_cache_tokens: int = 15
                       block_size: int = 16, model: str | None = None,
                       progress: bool = False) -> dict:
     """Concurrency past what the KV budget holds: throughput flattens, TTFT climbs, requests are
-    preempted. Returns the rows and the predicted knee, KV tokens / tokens per request."""
+    preempted. Returns the rows and the predicted knee: how many requests the pool holds to their
+    end at once, each in whole blocks of input_len + output_len - 1 tokens (`slots_per_request`)."""
     llm = LLM(model, enable_prefix_caching=False, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
               max_model_len=input_len + output_len + block_size)
     rows = [{"concurrency": c, **measure_bursts(llm, c, input_len, output_len, repeats)}
             for c in tqdm(concurrencies, desc="KV capacity", disable=not progress)]
-    per_request = -(-(input_len + output_len) // block_size) * block_size
-    return {"rows": rows, "kv_tokens": llm.stats()["kv_capacity_tokens"],
-            "predicted_knee": llm.stats()["kv_capacity_tokens"] // per_request}
+    # What a request holds at its end, in whole blocks (kvlab.kv_sizing: p + N - 1 tokens).
+    blocks = kv_sizing.blocks_held(input_len, output_len, block_size)
+    kv_tokens = llm.stats()["kv_capacity_tokens"]
+    return {"rows": rows, "kv_tokens": kv_tokens, "slots_per_request": blocks * block_size,
+            "predicted_knee": kv_sizing.requests_at_once(kv_tokens // block_size, input_len,
+                                                         output_len, block_size)}
 
 
 def gantt_runs(num_requests: int = 8, max_num_seqs: int = 4, input_len: int = 32,

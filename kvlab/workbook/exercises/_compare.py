@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import html
 import inspect
+import linecache
+import re
 from dataclasses import dataclass, field
 
 from kvlab.workbook.exercises._common import Exercise
@@ -104,7 +106,28 @@ def source_of(impl) -> str:
     try:
         return inspect.getsource(impl)
     except (OSError, TypeError) as e:
+        if inspect.isclass(impl):
+            found = _class_source_from_its_methods(impl)
+            if found:
+                return found
         return f"(the source of {impl!r} cannot be read here: {e})"
+
+
+def _class_source_from_its_methods(cls) -> str | None:
+    """A class defined in a notebook cell: before Python 3.13, inspect finds a class's source
+    through its module's file, which a cell's `__main__` does not have. Its methods' code still
+    names the cell (IPython registers each cell's text with linecache), so read the class from
+    there."""
+    header = re.compile(rf"^\s*class\s+{re.escape(cls.__name__)}\b")
+    for member in vars(cls).values():
+        code = getattr(getattr(member, "__func__", member), "__code__", None)
+        if code is None:
+            continue
+        lines = linecache.getlines(code.co_filename)
+        for i in range(min(code.co_firstlineno, len(lines)) - 1, -1, -1):
+            if header.match(lines[i]):
+                return "".join(inspect.getblock(lines[i:]))
+    return None
 
 
 def compare(ex: Exercise, impl) -> Comparison:

@@ -351,11 +351,12 @@ BLOCK_POOL = Exercise(
              _fixed(5, [("get", 2), ("get", 1), ("get", 0)]),
              "Chapter 01's pool trace, first lines: a new pool's free queue is 0, 1, ..., "
              "num_blocks - 1, and get_new_blocks(4) took 0, 1, 2, 3 from its head."),
-        Case("freed blocks go back to the head: the most recently freed is reused first",
+        Case("freed blocks go back to the head: the latest call's blocks are reused first",
              _fixed(4, [("get", 4), ("free", [2, 0]), ("free", [3]), ("get", 3)]),
              "Chapter 01's pool trace: free_blocks([1, 3]) turned the queue [4, 5] into "
-             "[1, 3, 4, 5]: freed blocks go to the head, so the most recently freed is reused "
-             "first. After freeing 2, 0, then 3, the next three blocks are 3, 2, 0."),
+             "[1, 3, 4, 5]: freed blocks go to the head, the first given at the very head, so "
+             "the latest call's blocks are reused first. After freeing 2, 0, then 3, the next "
+             "three blocks are 3, 2, 0."),
         Case("freed blocks are reused before blocks never used",
              _fixed(4, [("get", 3), ("free", [2, 0]), ("get", 3)]),
              "Chapter 01's pool trace: free_blocks([1, 3]) made [4, 5] into [1, 3, 4, 5], the "

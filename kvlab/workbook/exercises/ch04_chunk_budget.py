@@ -38,7 +38,7 @@ def choose_chunk_budget(measured, max_gap_s):
     # The largest budget on the line under the target: the fewest chunks, and each chunk's
     # step pays the fixed cost again, so the long prompt's TTFT is the shortest the target
     # allows. Where even the smallest budget misses, take it: the least harm.
-    return max(16, int((max_gap_s - intercept) / slope))
+    return min(4096, max(16, int((max_gap_s - intercept) / slope)))
 
 
 CHUNK_STUB = """def choose_chunk_budget(measured, max_gap_s):
@@ -46,8 +46,10 @@ CHUNK_STUB = """def choose_chunk_budget(measured, max_gap_s):
     decodes while a 1,024-token prompt arrives: the decode's worst gap between two tokens must
     stay under max_gap_s, and the long prompt's TTFT must be as short as that allows. If no
     budget can meet max_gap_s, return 16.
-    measured: {budget: worst gap in seconds}, measured on this machine as in the table above
-    (the least disturbed of three runs per budget), e.g. {64: 0.15, 128: 0.24, 256: 0.42}.\"\"\"
+    measured: {budget: worst gap in seconds} for chunked budgets only (no unchunked row),
+    measured on this machine as in the table above (the least disturbed of three runs per
+    budget), e.g. {64: 0.15, 128: 0.24, 256: 0.42}. The best budget is judged by what this
+    table says of budgets between and beyond the ones it measured.\"\"\"
     raise NotImplementedError("your turn")
 """
 
@@ -87,13 +89,15 @@ def _table(intercept_ms, slope_ms, budgets, wobble=()):
 
 # Other machines: a fast one, a slow one whose fixed cost is large, a table whose target lies
 # beyond its largest budget (read the line, not the table), one with a noisy point, and a
-# target below what the smallest budget gives (no budget meets it).
+# target below what the smallest budget gives (no budget meets it), and one above what the
+# largest allowed gives (the cap).
 OTHER_MACHINES = [
     ("a fast machine", _table(12, 0.20, (64, 128, 256, 512)), 0.080),
     ("a slow machine with a large fixed cost per step", _table(90, 1.6, (64, 128, 256)), 0.400),
     ("a target beyond the largest budget measured", _table(40, 0.9, (32, 64, 128)), 0.250),
     ("a table with one noisy point", _table(50, 1.4, (64, 128, 256, 512), {128: 0.04}), 0.520),
     ("a target no budget can meet", _table(110, 1.2, (64, 128, 256)), 0.100),
+    ("a target every budget meets", _table(20, 0.05, (64, 128, 256)), 0.500),
 ]
 
 
@@ -203,7 +207,7 @@ CHUNK_BUDGET = Exercise(
     ),
     solution=choose_chunk_budget,
     cases=[
-        Case("five other machines' tables, judged by the line through each",
+        Case("six other machines' tables, judged by the line through each",
              _other_machines, "The worst gap is a line in the budget (chapter 04's fit): read "
              "the largest budget under the target off the line through the table."),
         Case("real model: a 1,024-token prompt into a decode, your budget beside the best",

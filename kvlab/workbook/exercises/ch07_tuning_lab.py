@@ -74,11 +74,14 @@ TUNING_STUB = '''def my_tuning():
     """Return a dict of engine settings for the lab's workload: any of max_num_seqs,
     max_num_batched_tokens, block_size (8, 16 or 32), kv_cache_dtype ("auto" or
     "int8_per_token_head": int8 K/V with one scale per token and head, whose next-token
-    distributions chapter 08 finds closest to auto's) and long_prefill_token_threshold
-    (0: off); a setting left out keeps kvlab's default, and {} is
-    the defaults. The KV memory is fixed (kv_cache_memory_bytes, 768 tokens at float32). The
-    check runs the workload with yours, a reference tuning and the defaults, and compares
-    goodput: the requests per second that met the SLO."""
+    distributions chapter 08 finds closest to auto's) and long_prefill_token_threshold (the
+    most prompt tokens one request may compute in a step; 0: no cap). A setting left out keeps
+    kvlab's default, and {} is the defaults; max_num_seqs left out is 256, lowered to
+    max_num_batched_tokens when that is smaller (a step holds at least a token per sequence;
+    vLLM does the same, vllm/engine/arg_utils.py). The KV memory is fixed
+    (kv_cache_memory_bytes, 768 tokens at float32). The check runs the workload with yours, a
+    reference tuning and the defaults, and compares goodput: the requests per second that met
+    the SLO."""
     raise NotImplementedError("your turn")
 '''
 
