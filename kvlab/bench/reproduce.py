@@ -46,8 +46,9 @@ def continuous_batching(repeats: int = 3, model: str | None = None,
 
 def kv_capacity(repeats: int = 1, model: str | None = None, progress: bool = True) -> list[dict]:
     """Chapter 03: concurrency past what a 1,024-token KV budget holds, requests of 48 + 16
-    tokens. The knee is predicted as the budget over the tokens one request needs (whole
-    blocks); past it requests wait, and running ones are preempted."""
+    tokens. The knee is predicted as the pool's blocks over the blocks one request holds at its
+    end (48 + 16 - 1 tokens, in whole blocks); past it requests wait, and running ones are
+    preempted."""
     sweep = scheduling.kv_capacity_sweep((1, 4, 8, 16, 32), kv_cache_tokens=1024, input_len=48,
                                          output_len=16, repeats=repeats, model=model,
                                          progress=progress)
