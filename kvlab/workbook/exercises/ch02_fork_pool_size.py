@@ -112,8 +112,8 @@ FORK_POOL_SIZE = Exercise(
     imports="from kvlab.kv_sizing import blocks_held, pool_tokens",
     cases=[
         Case("seven other prompts, sample counts and block sizes, by the arithmetic",
-             _fork_arithmetic, "Chapter 02's scene: full prompt blocks stay shared; the partly filled one is copied "
-             "by each sample that writes into it."),
+             _fork_arithmetic, "Chapter 02's scene: full prompt blocks stay shared; each sample ends with its own "
+             "partly filled block (n - 1 copies, and the original for the last writer)."),
         Case("real model: 6 samples of a 40-token prompt, in your pool and the smallest",
              _fork_measured, "Compare the preemptions printed above: chapter 02's copy-on-write takes a fresh "
              "block at a sample's first write.", real_model=True,

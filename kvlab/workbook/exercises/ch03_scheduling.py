@@ -355,7 +355,7 @@ EXERCISE = Exercise(
     hint=(
         "Replay the trace with three running totals: free blocks, budget, seats. At step 4, r0 "
         "needs a block and none is free: who goes? Then r1 needs one: who goes now? After that "
-        "step 3 blocks are free and a seat is empty: is r3 admitted? At step 1, r1 does not fit "
+        "step 3 blocks are free and two seats are empty: is r3 admitted? At step 1, r1 does not fit "
         "the budget left: is r2, which would? A decode needs ceil((num_computed_tokens + 1) / "
         "block_size) - num_blocks new blocks."
     ),
@@ -384,8 +384,9 @@ EXERCISE = Exercise(
              "the queue."),
         Case("seats: at most max_num_seqs running", _scene(
             [_d("a", 5)], [_prompt("b", 3), _prompt("c", 3), _prompt("d", 3)], free=8, seats=3),
-             "Running requests hold seats too (chapter 03's trace, step 3: three running, three "
-             "seats, r3 waits): 1 running + 2 admitted = 3."),
+             "Running requests hold seats too (the docstring: at most max_num_seqs running; in "
+             "chapter 03's trace, step 3, three run in three seats, and no free block either): "
+             "1 running + 2 admitted = 3."),
         Case("a prompt needs all its blocks free", _scene(
             [], [_prompt("a", 9), _prompt("b", 1)], free=2),
              "9 tokens in blocks of 4 need 3 blocks; with 2 free it waits, and b behind it too "
@@ -416,8 +417,8 @@ EXERCISE = Exercise(
              "preempt c."),
         Case("after a preemption nobody is admitted",
              _scene([_d("a", 8), _d("b", 9)], [_prompt("w", 1)], free=0),
-             "Chapter 03's trace, step 4: after the preemptions 3 blocks were free and a seat "
-             "was empty, yet r3 (8 tokens, 2 blocks) was not admitted. Memory is short: a step "
+             "Chapter 03's trace, step 4: after the preemptions 3 blocks were free and two "
+             "seats were empty, yet r3 (8 tokens, 2 blocks) was not admitted. Memory is short: a step "
              "that preempts admits nobody."),
         Case("400 random states, compared with kvlab's Scheduler", _random,
              "The state and kvlab's decision are printed above; replay it as chapter 03's trace "

@@ -188,8 +188,9 @@ CHUNK_BUDGET = Exercise(
         "Choose max_num_batched_tokens for a server where decodes must never wait longer than "
         "a target between two tokens, while long prompts still start as soon as that allows. "
         "Your function gets a table like the one above, measured on this machine, and the "
-        "target; a budget within one prefill step of the best is accepted. The check then runs "
-        "a 1,024-token prompt into a decode with your budget and the best one, side by side."
+        "target; a budget under the target and within one prefill step of the best is "
+        "accepted. The check then runs a 1,024-token prompt into a decode with your budget and "
+        "the best one, side by side."
     ),
     full_version=(
         "vLLM 0.33.0 picks its default budget by the GPU and by LLM class or API server "

@@ -469,9 +469,10 @@ LONGEST_CACHE_HIT = Exercise(
         Case("stop at the first miss, even if later blocks are cached",
              _hit_case(17, 4, {0: 2, 2: 6, 3: 1}),
              "The docstring: hit i is the block cached under key i, since the engine skips only "
-             "a request's first tokens. After a missing key nothing more can be a hit (chapter "
-             "05's table: with block 1 changed, 4 cached tokens, though blocks 2-4 are as "
-             "before)."),
+             "a request's first tokens. After a missing key nothing more can be a hit: a later "
+             "block's KV was computed after the missing block's tokens (chapter 05's table: with "
+             "block 1 changed, only 4 cached tokens). Here block 1 was evicted while blocks 2-3 "
+             "stayed cached."),
         Case("a cached block id of 0 still counts", _hit_case(13, 4, {0: 0, 1: 4, 2: 1}),
              "The docstring: block ids are ints >= 0, and 0 is a block like any other. "
              "cached.get(key) returns None for a key not there: compare with None, not with "

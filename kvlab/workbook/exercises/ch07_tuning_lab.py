@@ -75,10 +75,11 @@ TUNING_STUB = '''def my_tuning():
     max_num_batched_tokens, block_size (8, 16 or 32), kv_cache_dtype ("auto" or
     "int8_per_token_head": int8 K/V with one scale per token and head, whose next-token
     distributions chapter 08 finds closest to auto's) and long_prefill_token_threshold (the
-    most prompt tokens one request may compute in a step; 0: no cap). A setting left out keeps
+    most prompt tokens one request may compute in a step while others run or wait; 0: no
+    cap). A setting left out keeps
     kvlab's default, and {} is the defaults; max_num_seqs left out is 256, lowered to
     max_num_batched_tokens when that is smaller (a step holds at least a token per sequence;
-    vLLM does the same, vllm/engine/arg_utils.py). The KV memory is fixed
+    vLLM lowers its own default the same way, vllm/engine/arg_utils.py). The KV memory is fixed
     (kv_cache_memory_bytes, 768 tokens at float32). The check runs the workload with yours, a
     reference tuning and the defaults, and compares goodput: the requests per second that met
     the SLO."""

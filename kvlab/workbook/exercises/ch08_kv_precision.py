@@ -249,8 +249,8 @@ EXERCISE = Exercise(
     ),
     stub=STUB,
     hint=(
-        "In the cell above, one scale for the whole layer left the quietest vector a few of its "
-        "127 steps, and a scale from the typical values clipped. For one vector, which scale "
+        "In the cell above, one scale for the whole layer left the quietest vector 17 of its "
+        "127 steps (printed), and a scale from the typical values clipped. For one vector, which scale "
         "clips nothing and leaves no step unused? Then: what does your formula give for a "
         "vector of zeros?"
     ),
@@ -267,7 +267,7 @@ EXERCISE = Exercise(
              " ones too."),
         Case("the finest step int8 allows", _finest_step,
              "Chapter 08's 'The scale is a decision': one scale for the whole layer left the "
-             "quietest vector a few of its 127 steps, and its relative error grew. Each vector's"
+             "quietest vector 17 of its 127 steps (printed), and its relative error grew. Each vector's"
              " largest |value| should land on 127, not below."),
         Case("a loud head beside quiet ones", _loud_head,
              "Chapter 08's 'The scale is a decision': one scale for the layer is set by its "
