@@ -56,9 +56,9 @@ def paged_decode_attention(q, kv_layer, block_table, seq_len, scale):
     Row h of the output is chapter 00's decode_attention for query head h, over this
     sequence's seq_len tokens (the newest one's included). kv_layer: one layer of the pool,
     (2, num_blocks, block_size, num_kv_heads, head_dim), keys at [0], values at [1].
-    block_table: this sequence's block ids, a list. Which slots of which blocks hold its
-    tokens, in which order, the engine's slot table above shows; every other slot of the pool
-    holds another sequence's K/V or garbage.
+    block_table: this sequence's block ids, a list, possibly with more blocks than seq_len
+    tokens fill. Which slots of which blocks hold its tokens, in which order, the engine's slot
+    table above shows; every other slot of the pool holds another sequence's K/V or garbage.
     Example: q (9, 64), kv_layer (2, 40, 16, 3, 64), block_table [12, 3], seq_len 20 ->
     a tensor (9, 64).
     """

@@ -44,8 +44,9 @@ STUB = '''def split_token_budget(running, waiting, max_num_batched_tokens):
     order; waiting: requests not started, in arrival order. Each has .request_id, .num_tokens
     and .num_computed_tokens; it still needs num_tokens - num_computed_tokens tokens.
     Return {request_id: num_new_tokens} for the requests that compute at least one token this
-    step. Afterwards: the values add up to at most max_num_batched_tokens, and no request gets
-    more than it still needs.
+    step. Blocks and seats are plentiful here: only the budget limits the step. Afterwards:
+    the values add up to at most max_num_batched_tokens, and no request gets more than it
+    still needs.
     Example (everything fits): budget 32, running [a: 8 of 9 computed], waiting [b: 5 tokens]
     -> {"a": 1, "b": 5}.
     """
