@@ -140,9 +140,10 @@ def kv_capacity_sweep(concurrencies=(1, 4, 8, 16, 32), kv_cache_tokens: int = 15
             for c in tqdm(concurrencies, desc="KV capacity", disable=not progress)]
     # What a request holds at its end, in whole blocks (kvlab.kv_sizing: p + N - 1 tokens).
     blocks = kv_sizing.blocks_held(input_len, output_len, block_size)
-    kv_tokens = llm.stats()["kv_capacity_tokens"]
-    return {"rows": rows, "kv_tokens": kv_tokens, "slots_per_request": blocks * block_size,
-            "predicted_knee": kv_sizing.requests_at_once(kv_tokens // block_size, input_len,
+    stats = llm.stats()
+    return {"rows": rows, "kv_tokens": stats["kv_capacity_tokens"],
+            "slots_per_request": blocks * block_size,
+            "predicted_knee": kv_sizing.requests_at_once(stats["num_usable_blocks"], input_len,
                                                          output_len, block_size)}
 
 

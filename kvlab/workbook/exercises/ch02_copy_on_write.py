@@ -21,18 +21,16 @@ from kvlab.kv_cache import KVCacheManager
 from kvlab.sampling import RequestOutputKind, SamplingParams
 
 
-def _pool_with_table(num_blocks: int, table_len: int, shared_with: int = 0,
+def _pool_with_table(num_blocks: int, table_len: int,
                      seed: int = 0) -> tuple[IdPool, list[int]]:
-    """A pool where one table of `table_len` blocks exists (block ids scattered), shared with
-    `shared_with` other tables."""
+    """A pool where one table of `table_len` blocks exists, each held once (block ids
+    scattered)."""
     rng = random.Random(seed)
     pool = IdPool(num_blocks)
     taken = pool.get_new_blocks(num_blocks)
     rng.shuffle(taken)
     table, rest = taken[:table_len], taken[table_len:]
     pool.free_blocks(rest)
-    for _ in range(shared_with):
-        pool.touch(table)
     return pool, table
 
 
@@ -150,7 +148,7 @@ def _cow_scene(table_len: int, refs_of_table: list[int], num_computed_tokens: in
                block_size: int, num_free: int = 4, seed: int = 0):
     def run(impl):
         num_blocks = table_len + num_free
-        pool, table = _pool_with_table(num_blocks, table_len, 0, seed)
+        pool, table = _pool_with_table(num_blocks, table_len, seed)
         for b, extra in zip(table, refs_of_table):
             for _ in range(extra - 1):
                 pool.touch([b])
