@@ -112,6 +112,48 @@ def system_prompt_hit_rate(system_len: int = 256, user_len: int = 32, num_reques
             "ideal": round((num_requests - 1) * system_len / (num_requests * (system_len + user_len)), 4)}
 
 
+# A RAG service's three parts, as English text (a tokenizer's counts, not round numbers): one
+# system prompt for every request, a document per question, and the question itself.
+RAG_SYSTEM = ("You are a careful assistant for a library. Answer from the document below, "
+              "quote it where you can, and say so when the document does not say.")
+RAG_DOCUMENTS = (
+    "The city library opens at nine on weekdays and at ten on Saturdays. It is closed on "
+    "Sundays and public holidays. Members may borrow up to twelve books for three weeks, and "
+    "renew each loan twice online unless another member has reserved the book. Late returns "
+    "cost twenty cents a day per book, capped at the price of the book.",
+    "The reading room on the second floor is reserved for quiet study. Laptops are welcome, "
+    "phone calls are not. Lockers near the entrance take a one euro coin, returned when the "
+    "locker is opened again. Group study rooms can be booked for two hours at a time, up to a "
+    "week ahead, at the front desk or on the library's website.",
+)
+RAG_QUESTIONS = ("When does it open on Saturday?", "How long is a loan?",
+                 "What does a locker cost?")
+RAG_ORDERS = (("system", "document", "question"), ("system", "question", "document"),
+              ("question", "system", "document"))
+
+
+def rag_layouts(orders=RAG_ORDERS, block_size: int = 16, model: str | None = None) -> dict:
+    """Each question about each document (a document's three questions one after another),
+    sent one at a time with the parts in each order: every request's cached prompt tokens."""
+    llm = LLM(model, max_model_len=512, block_size=block_size, kv_cache_tokens=4096,
+              enable_prefix_caching=True)
+    encode = lambda text: llm.get_tokenizer()(text).input_ids  # noqa: E731
+    system = encode(RAG_SYSTEM)
+    docs = [encode(d) for d in RAG_DOCUMENTS]
+    questions = [encode(q) for q in RAG_QUESTIONS]
+    cached, prompt_tokens = {}, {}
+    for order in orders:
+        assert llm.reset_prefix_cache()  # each order starts from a cold cache
+        prompts = [sum((dict(system=system, document=d, question=q)[part] for part in order), [])
+                   for d in docs for q in questions]
+        cached[order] = [llm.generate({"prompt_token_ids": p}, ONE_TOKEN)[0].num_cached_tokens
+                         for p in prompts]
+        prompt_tokens[order] = sum(map(len, prompts))
+    return {"lengths": {"system": len(system), "documents": [len(d) for d in docs],
+                        "questions": [len(q) for q in questions]},
+            "cached": cached, "prompt_tokens": prompt_tokens}
+
+
 def calibration_ttfts(num_docs: int = 3, doc_len: int = 512, seed: int = 1,
                       model: str | None = None) -> dict:
     """What tenant B can measure before any attack: TTFTs (ms) of documents of its own, each

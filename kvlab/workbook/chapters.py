@@ -84,7 +84,6 @@ CHAPTERS: tuple[Chapter, ...] = (
             reproduce_api=("generation-stall",)),
     Chapter("05", "05_prefix_caching.ipynb",
             builds={"ch05_prefix_caching": ("block_hashes", "longest_cache_hit")},
-            challenges={"ch05_rag_layout": ("rag_layout",)},
             figures=("prefix_plots", "snapshot"),
             bench=("prefix",), reproduce=("prefix-cache",), reproduce_api=("prefix-cache",)),
     Chapter("06", "06_cache_salt.ipynb",

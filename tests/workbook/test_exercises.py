@@ -196,10 +196,6 @@ def alt_cache_salt_for(tenant, requested_salt):
     return hmac.new(b"server secret", tenant.encode(), hashlib.sha256).hexdigest()
 
 
-def alt_rag_prompt(system, document, question):
-    return [*system, *document, *question]
-
-
 def alt_kv_pool_for(prompt_lens, output_len, block_size, max_model_len):
     """Token by token: a request's blocks at its last step, one decode before its last token."""
     paged = 0
@@ -262,7 +258,7 @@ ALTERNATIVES = {
     "schedule": alt_schedule, "chunked_prefill": alt_chunked_prefill,
     "block_hashes": alt_block_hashes, "longest_cache_hit": alt_longest_cache_hit,
     "timing_attack": alt_timing_attack,
-    "max_num_seqs": alt_max_num_seqs, "rag_layout": alt_rag_prompt,
+    "max_num_seqs": alt_max_num_seqs,
     "salt_scheme": alt_cache_salt_for, "kv_pool_size": alt_kv_pool_for,
     "fork_pool_size": alt_fork_pool_for, "chunk_budget": alt_choose_chunk_budget,
     "quantize_int8": alt_quantize_int8, "kv_precision": alt_choose_kv_cache,
@@ -583,11 +579,6 @@ BUGS = [
      "five other pools"),
     ("max_num_seqs", lambda kv_cache_tokens, block_size, prompt_len, output_len:
      kv_cache_tokens // (prompt_len + output_len), "five other pools"),  # tokens, not blocks
-    ("rag_layout", lambda system, document, question: question + document + system,
-     "cached prompt tokens"),
-    ("rag_layout", lambda system, document, question: system + question + document,
-     "cached prompt tokens"),
-    ("rag_layout", lambda system, document, question: system + question, "every token"),
     ("salt_scheme", lambda tenant, requested_salt: requested_salt or tenant, "stolen"),
     ("salt_scheme", lambda tenant, requested_salt: "shared", "stolen"),
     ("salt_scheme", lambda tenant, requested_salt: "", "non-empty str"),

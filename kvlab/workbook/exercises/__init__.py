@@ -30,7 +30,6 @@ Challenges (kind "challenge": a decision, measured on the real model against the
     02 fork_pool_size      the smallest KV pool for n forked samples
     03 max_num_seqs        the concurrency limit for a KV budget
     04 chunk_budget        the token budget that keeps a decode's worst gap under a target
-    05 rag_layout          the order of a RAG prompt's parts, for the prefix cache
     06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
     07 tuning_lab          the settings that keep a workload within a latency SLO (goodput)
     08 kv_precision        a kv_cache_dtype and a pool in bytes for a burst, within a KL bound
