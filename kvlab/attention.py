@@ -58,6 +58,7 @@ class SDPAMetadata(AttentionMetadata):
     # sequence for the reference backend, the prefills (more than one new token) for SDPA.
     block_tables: list[torch.Tensor]
     per_seq: list[int] = field(default_factory=list)  # which sequence each table belongs to
+    sliding_window: int | None = None  # the group's window (chapter 09); None: full attention
     decode: DecodeMetadata | None = None  # SDPA backend: the single-token sequences, batched
 
 
@@ -93,7 +94,7 @@ def gather_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, seq_len: int):
 
 
 def attend_one(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tensor,
-               seq_len: int, scale: float) -> torch.Tensor:
+               seq_len: int, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """One sequence's new tokens q: (num_new, Hq, D) -> (num_new, Hq, D), over its whole
     context (the new tokens' own K/V are already in the pool).
 
@@ -104,17 +105,21 @@ def attend_one(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tenso
     (one copy of this sequence's K/V, then causal attention: flash or memory-efficient); a chunk
     folds the query heads that share a KV head into that head's rows, as the decode path does,
     with a float mask (memory-efficient or cuDNN).
+
+    A sliding window (chapter 09) hides, from the token at position p, every key before
+    p - sliding_window + 1: those blocks may already be the null block, and must not be read.
     """
     num_new, num_heads, head_dim = q.shape
     k, v = gather_kv(kv_layer, block_table, seq_len)  # (Hkv, L, D)
     group = num_heads // k.shape[0]
+    windowed = sliding_window is not None and seq_len > sliding_window
     # A leading batch dimension of 1: without it SDPA on CPU takes a slow path (5x here).
-    if num_new == 1:
+    if num_new == 1 and not windowed:
         # A decode token is the newest position: it may see the whole context, no mask.
         qi = q.view(k.shape[0], group, head_dim)  # (Hkv, group, D): query head h reads h // group
         o = F.scaled_dot_product_attention(qi[None], k[None], v[None], scale=scale)
         return o[0].reshape(1, num_heads, head_dim)
-    if num_new == seq_len:
+    if num_new == seq_len and not windowed:
         # A whole prompt at once: plain causal attention, every query head its own K/V head.
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # (Hq, L, D)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
@@ -124,7 +129,10 @@ def attend_one(q: torch.Tensor, kv_layer: torch.Tensor, block_table: torch.Tenso
     # position seq_len - num_new + j and sees keys up to and including itself. Rows are
     # (query head in its group, token): the mask repeats once per head of the group.
     q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-    hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # (num_new, L)
+    keys = torch.arange(seq_len, device=q.device)[None, :]
+    hidden = keys > q_pos[:, None]  # (num_new, L)
+    if windowed:
+        hidden |= keys <= q_pos[:, None] - sliding_window
     mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
         hidden, float("-inf")).repeat(group, 1)  # (group * num_new, L), in the queries' dtype
     qi = q.view(num_new, k.shape[0], group, head_dim).permute(1, 2, 0, 3)  # (Hkv, group, T, D)
@@ -142,7 +150,8 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        out[start:end] = attend_one(q[start:end], kv_layer, meta.block_tables[i], seq_len, scale)
+        out[start:end] = attend_one(q[start:end], kv_layer, meta.block_tables[i], seq_len, scale,
+                                    meta.sliding_window)
     return out
 
 
@@ -203,6 +212,7 @@ class ReferenceBackend:
             seq_lens=common.seq_lens,
             block_tables=device_block_tables(common, every),
             per_seq=every,
+            sliding_window=common.sliding_window,
         )
 
     def forward(self, q, kv_layer, meta: SDPAMetadata, scale: float) -> torch.Tensor:
@@ -228,7 +238,8 @@ class SDPABackend(ReferenceBackend):
         prefills = [i for i in range(common.num_seqs) if starts[i + 1] - starts[i] != 1]
         meta = SDPAMetadata(slot_mapping=common.slot_mapping, query_start_loc=starts,
                             seq_lens=common.seq_lens, per_seq=prefills,
-                            block_tables=device_block_tables(common, prefills))
+                            block_tables=device_block_tables(common, prefills),
+                            sliding_window=common.sliding_window)
         if decodes:
             meta.decode = self.build_decode(common, decodes)
         return meta
@@ -268,7 +279,10 @@ class SDPABackend(ReferenceBackend):
             rows = moved[-1]
         # Additive, in the queries' dtype: SDPA's fused CUDA kernels refuse a float32 bias beside
         # bf16 queries. Made where it is read (no copy of a (B, L) tensor).
-        past = torch.arange(L, device=common.device)[None, :] >= lens[:, None]  # (B, L)
+        positions = torch.arange(L, device=common.device)[None, :]
+        past = positions >= lens[:, None]  # (B, L)
+        if common.sliding_window is not None:  # and before the window (chapter 09)
+            past |= positions < lens[:, None] - common.sliding_window
         mask = torch.zeros((B, L), dtype=common.dtype, device=common.device).masked_fill_(
             past, float("-inf"))
         return DecodeMetadata(rows=rows, num_seqs=B, max_len=L, groups=groups,
@@ -287,7 +301,8 @@ class SDPABackend(ReferenceBackend):
             out = torch.empty_like(q)
         for i, table in zip(meta.per_seq, meta.block_tables):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = attend_one(q[start:end], kv_layer, table, meta.seq_lens[i], scale)
+            out[start:end] = attend_one(q[start:end], kv_layer, table, meta.seq_lens[i], scale,
+                                        meta.sliding_window)
         return out
 
     def scratch(self, decode: DecodeMetadata, kv_layer: torch.Tensor) -> torch.Tensor:

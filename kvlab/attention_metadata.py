@@ -26,6 +26,9 @@ class CommonAttentionMetadata:
     device: torch.device
     layer_kv_bytes_per_token: int | None = None  # one layer's K and V of one token (None: unknown)
     dtype: torch.dtype = torch.float32  # the KV pool's (and the queries') dtype
+    # The layers' window (chapter 09): a token at position p reads positions
+    # p - sliding_window + 1 .. p; None: every earlier position (full attention).
+    sliding_window: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -82,6 +82,29 @@ def resolve_class(name: str, value, base: type) -> type:
     return cls
 
 
+HF_OVERRIDE_KEYS = ("layer_types", "sliding_window")
+
+
+def check_hf_overrides(overrides) -> None:
+    """The overrides kvlab applies, well formed (their length against the model's layers is
+    checked once the model is known)."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise TypeError(f"hf_overrides must be a dict, got {type(overrides).__name__}")
+    unknown = sorted(set(overrides) - set(HF_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"hf_overrides: kvlab applies {HF_OVERRIDE_KEYS}, not {unknown}")
+    types = overrides.get("layer_types")
+    if types is not None and (not isinstance(types, (list, tuple)) or not types or not all(
+            t in ("full_attention", "sliding_attention") for t in types)):
+        raise ValueError("hf_overrides['layer_types'] must be a list of 'full_attention' and "
+                         f"'sliding_attention', one per layer, got {types!r}")
+    if "sliding_window" in overrides:
+        check_int("hf_overrides['sliding_window']", overrides["sliding_window"], minimum=2,
+                  allow_none=True)
+
+
 @dataclass
 class EngineConfig:
     """The knobs of one engine. Names follow vLLM's `LLM(...)` / `vllm serve` flags.
@@ -178,6 +201,16 @@ class EngineConfig:
     # kvlab-only: run the block pool's full consistency check after every step, so a broken
     # pool (a participant's exercise) is caught at the step that broke it. Costs O(blocks).
     debug_checks: bool = False
+    # vLLM's name (vllm/config/model.py: hf_overrides): keys laid over the model's transformers
+    # config. kvlab reads two, as vLLM's Llama does (vllm/model_executor/models/llama.py):
+    # `layer_types` ("full_attention" or "sliding_attention", one per layer) and
+    # `sliding_window` (tokens a sliding-window layer attends to). Chapter 09 runs the packaged
+    # model with a window on some layers this way.
+    hf_overrides: dict | None = None
+    # vLLM 0.33.0's name and default (vllm/config/cache.py): which blocks of a sliding-window
+    # group are keyed for the prefix cache. 0: only the windows a later request can resume
+    # from; None: every full block (kvlab/kv_cache_coordinator.py).
+    prefix_cache_retention_interval: int | None = 0
     # Set by `resolve()` on the config it returns: the derived knobs are filled in, and
     # kv_cache_tokens may come from kv_cache_memory_bytes (a conflict only when both are given).
     _resolved: bool = dataclasses.field(default=False, repr=False)
@@ -218,6 +251,12 @@ class EngineConfig:
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} cannot be "
                 f"greater than max_model_len={self.max_model_len}")
         check_bool("debug_checks", self.debug_checks)
+        check_hf_overrides(self.hf_overrides)
+        if self.prefix_cache_retention_interval not in (0, None):
+            raise ValueError(
+                f"prefix_cache_retention_interval={self.prefix_cache_retention_interval!r}: kvlab "
+                "runs 0 (vLLM's default: keep only the windows a request can resume from) and "
+                "None (key every full block)")
         if self.enable_prefix_caching is None:  # vLLM's default where a block can be shared
             self.enable_prefix_caching = self.kv_layout == "paged"
         check_bool("enable_prefix_caching", self.enable_prefix_caching)

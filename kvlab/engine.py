@@ -26,6 +26,8 @@ from kvlab.config import EngineConfig, check_int, resolve_class
 from kvlab.group_scheduler import GroupScheduler
 from kvlab.inputs import ParsedPrompt, parse_prompt
 from kvlab.kv_cache import allocate_kv_cache, get_kv_cache_manager_cls, make_kv_cache_manager
+from kvlab.kv_cache_coordinator import HybridKVCacheManager, is_hybrid
+from kvlab.kv_cache_interface import capacity_line, get_kv_cache_groups, layer_specs
 from kvlab.kv_quant import check_float_kv_cache_dtype, get_kv_cache_dtype
 from kvlab.metrics import RequestMetrics
 from kvlab.model import Transformer, load_model
@@ -60,6 +62,26 @@ class EngineStepError(RuntimeError):
         self.cause = cause
 
 
+def check_hybrid_config(config: EngineConfig, kv_dtype_is_identity: bool) -> None:
+    """What kvlab runs with sliding-window layers (chapter 09), refused before any pool exists:
+    the paged layout, K/V at the model's dtype, the SDPA and reference backends, n > 1 as
+    child requests, and the hybrid manager itself."""
+    refused = []
+    if config.kv_layout != "paged":
+        refused.append("kv_layout='contiguous' (use 'paged')")
+    if not kv_dtype_is_identity:
+        refused.append(f"kv_cache_dtype={config.kv_cache_dtype!r} (use 'auto')")
+    if config.backend == "flex":
+        refused.append("backend='flex' (use 'auto' or 'reference')")
+    if config.parallel_sampling == "fork":
+        refused.append("parallel_sampling='fork' (use 'child_requests')")
+    if config.kv_cache_manager_cls is not None:
+        refused.append("kv_cache_manager_cls (the hybrid manager is kvlab's own)")
+    if refused:
+        raise ValueError("this model has sliding-window layers; kvlab runs them without "
+                         + ", ".join(refused))
+
+
 def get_scheduler_cls(config: EngineConfig) -> type[Scheduler]:
     """The scheduler class for an EngineConfig (vLLM: SchedulerConfig.get_scheduler_cls):
     `scheduler_cls`, imported when it is a dotted path, a subclass of kvlab.scheduler.Scheduler;
@@ -78,7 +100,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.model = Transformer(self.loaded, fast=config.backend != "reference",
                                  attn_backend=get_attention_backend(config.backend,
-                                                                    config.enforce_eager))
+                                                                    config.enforce_eager),
+                                 hf_overrides=config.hf_overrides)
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         check_float_kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # before any pool exists
         # K/V as stored: "auto" keeps the model's dtype; a lower precision makes a
@@ -106,12 +129,33 @@ class LLMEngine:
                              config.max_num_batched_tokens, self.device, config.enforce_eager)
         # KV cache events are always recorded: the engine hands them to its observers every
         # step; its StepLog keeps them in `kv_events` (bounded), where the explorer reads them.
-        self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
+        # KV cache groups (chapter 09): one, unless some layers have a sliding window.
+        self.kv_cache_groups = get_kv_cache_groups(layer_specs(
+            m.layer_types, m.sliding_window, config.block_size,
+            self.kv_bytes_per_token // m.num_layers * config.block_size))
+        self.is_hybrid = is_hybrid(self.kv_cache_groups)
+        num_layer_slots, num_blocks = m.num_layers, config.num_blocks
+        if self.is_hybrid:
+            check_hybrid_config(config, self.kv_cache_dtype.is_identity(self.dtype))
+            # The same bytes as a pool for every layer: a block costs one group's layers.
+            num_layer_slots = len(self.kv_cache_groups[0].layers)
+            num_blocks = config.num_blocks * m.num_layers // num_layer_slots
+            for g, group in enumerate(self.kv_cache_groups):
+                for slot, layer in enumerate(group.layers):
+                    m.layer_group[layer], m.layer_slot[layer] = g, slot
+            self.kv_cache_manager = HybridKVCacheManager(
+                self.kv_cache_groups, num_blocks, config.block_size, config.max_model_len,
+                config.enable_prefix_caching, config.prefix_caching_hash_algo, config.watermark,
+                enable_kv_cache_events=True,
+                max_in_flight_tokens=self.max_in_flight_tokens,
+                prefix_cache_retention_interval=config.prefix_cache_retention_interval)
+        else:
+            self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
         self.block_hasher = (get_request_block_hasher(config.block_size,
                                                       config.prefix_caching_hash_algo)
                              if config.enable_prefix_caching else None)
         self.kv_cache = allocate_kv_cache(
-            self.model.num_layers, config.num_blocks, config.block_size,
+            num_layer_slots, num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
             self.kv_cache_dtype,
         )
@@ -452,6 +496,23 @@ class LLMEngine:
         return {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id)
                 for r in self.scheduler.running}
 
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """vLLM's `VllmConfig.max_in_flight_tokens`: a step's budget per batch that may be in
+        flight, two under async scheduling (vllm/config/vllm.py)."""
+        return (2 if self.config.async_scheduling else 1) * self.config.max_num_batched_tokens
+
+    def kv_cache_capacity(self) -> dict:
+        """What vLLM 0.33.0 logs at start-up about this pool (`update_kv_cache_capacity`,
+        vllm/v1/core/kv_cache_utils.py): its "KV cache size" in tokens and its "Maximum
+        concurrency" for requests of max_model_len, and the line itself."""
+        tokens, concurrency, line = capacity_line(
+            self.kv_cache_groups, self.kv_cache_manager.block_pool.num_blocks,
+            self.config.max_model_len, self.max_in_flight_tokens,
+            "GPU" if self.device.type == "cuda" else self.device.type.upper())
+        return {"kv_cache_size_tokens": tokens, "kv_cache_max_concurrency": concurrency,
+                "line": line}
+
     def stats(self) -> dict:
         pool = self.kv_cache_manager.block_pool
         kv = self.kv_cache_manager
@@ -480,6 +541,7 @@ class LLMEngine:
             "max_model_len": self.config.max_model_len,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_kv_cache_groups": len(self.kv_cache_groups),
         }
 
 
@@ -535,6 +597,8 @@ class LLM:
         parallel_sampling: str = "child_requests",
         async_scheduling: bool = True,
         debug_checks: bool = False,
+        hf_overrides: dict | None = None,
+        prefix_cache_retention_interval: int | None = 0,
     ) -> None:
         # vLLM's LLM and EngineArgs call the policy `scheduling_policy`, its SchedulerConfig
         # `policy` (vllm/engine/arg_utils.py): either name works here.
@@ -558,6 +622,8 @@ class LLM:
             device=device, dtype=dtype, seed=seed, backend=backend,
             enforce_eager=enforce_eager, parallel_sampling=parallel_sampling,
             async_scheduling=async_scheduling, debug_checks=debug_checks,
+            hf_overrides=hf_overrides,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0
@@ -663,6 +729,9 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a prompt or a non-empty list of prompts")
         cfg, kv = engine.config, engine.kv_cache_manager
+        if engine.is_hybrid:
+            raise ValueError("beam search forks block tables, which kvlab does not do for a "
+                             "hybrid model's KV cache groups (sliding-window layers)")
         if params.beam_width > cfg.max_num_seqs:
             raise ValueError(f"beam_width={params.beam_width} beams can never run together with "
                              f"max_num_seqs={cfg.max_num_seqs}: lower beam_width")

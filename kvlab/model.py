@@ -215,8 +215,6 @@ def _load_model_cached(model: str | None, device: str, dtype: torch.dtype) -> Lo
         )
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {config.hidden_act!r}; kvlab's MLP is SwiGLU (silu)")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError(f"{source}: sliding-window attention is not implemented in kvlab")
     # sdpa: the reference `generate` then runs the same attention kernel kvlab calls.
     with _quiet_progress(Path(source).is_dir()):  # a local folder loads in a second: no bar
         hf_model = AutoModelForCausalLM.from_pretrained(
@@ -382,10 +380,29 @@ def page_out(tensors) -> int:
     return advised
 
 
+def layer_types_of(cfg, hf_overrides: dict | None = None) -> tuple[list[str], int | None]:
+    """Each layer's attention type and the sliding window, as vLLM's Llama reads them
+    (vllm/model_executor/models/llama.py: a "sliding_attention" entry of `layer_types` gets
+    `sliding_window`), with `hf_overrides` laid over the model's own config."""
+    overrides = hf_overrides or {}
+    num_layers = cfg.num_hidden_layers
+    types = overrides.get("layer_types", getattr(cfg, "layer_types", None))
+    types = list(types) if types else ["full_attention"] * num_layers
+    window = overrides.get("sliding_window", getattr(cfg, "sliding_window", None))
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries; the model has {num_layers} "
+                         "layers")
+    if "sliding_attention" in types and not window:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not "
+                         "set: give it in hf_overrides")
+    return types, (window if "sliding_attention" in types else None)
+
+
 class Transformer:
     """kvlab's own forward pass over a transformers model's weights."""
 
-    def __init__(self, loaded: LoadedModel, fast: bool = True, attn_backend=None) -> None:
+    def __init__(self, loaded: LoadedModel, fast: bool = True, attn_backend=None,
+                 hf_overrides: dict | None = None) -> None:
         cfg = loaded.config
         # The attention backend, chosen once (attention.get_attention_backend): its `forward`
         # reads the metadata its own `build` made for the step.
@@ -412,6 +429,12 @@ class Transformer:
         self.linears, self.lm_head = model_linears(loaded, fast)
         # Where q, k and v sit in the output of the fused qkv matmul.
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.layer_types, self.sliding_window = layer_types_of(cfg, hf_overrides)
+        # Which KV cache group each layer reads its block table from, and which of the pool's
+        # layer slots holds its K/V (chapter 09): one group, slot = layer, unless the engine
+        # groups the layers of a hybrid model (kvlab/kv_cache_interface.py).
+        self.layer_group = [0] * self.num_layers
+        self.layer_slot = list(range(self.num_layers))
 
     @torch.inference_mode()
     def forward(
@@ -425,8 +448,11 @@ class Transformer:
         x = F.embedding(input_ids, self.embed_tokens)  # (T, hidden)
         cos, sin = self.rotary_emb(x, positions[None, :])  # (1, T, D) each
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # (T, 1, D): one angle for all heads
+        per_group = isinstance(attn_metadata, (list, tuple))
         for i, layer in enumerate(self.layers):
             attn, linears = layer.self_attn, self.linears[i]
+            meta = attn_metadata[self.layer_group[i]] if per_group else attn_metadata
+            kv_layer = kv_cache[self.layer_slot[i]]
             h = rms_norm(x, layer.input_layernorm.weight, self.eps)
             q, k, v = linears.qkv(h).split(self.qkv_sizes, dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)  # (T, Hq, D)
@@ -438,8 +464,8 @@ class Transformer:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             # The only two lines that touch the KV cache: store this step's K/V in their slots,
             # then attend over every past K/V of each sequence, found through its block table.
-            write_kv(kv_cache[i], k, v, attn_metadata.slot_mapping)
-            o = self.attn_backend.forward(q, kv_cache[i], attn_metadata, self.scale)  # (T, Hq, D)
+            write_kv(kv_layer, k, v, meta.slot_mapping)
+            o = self.attn_backend.forward(q, kv_layer, meta, self.scale)  # (T, Hq, D)
             x = x + linears.o(o.reshape(T, self.num_heads * self.head_dim))
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             gate, up = linears.gate_up(h).chunk(2, dim=-1)  # SwiGLU

@@ -50,43 +50,67 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}
 
     def prepare(self, sched: SchedulerOutput):
-        """Flat input ids, positions and the backend's attention metadata for one step."""
+        """Flat input ids, positions and the backend's attention metadata for one step: one
+        metadata, or (a hybrid model, chapter 09) one per KV cache group, each from that
+        group's block tables and with its window."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_ids_per_seq: list[list[int]] = []
-        bs = self.block_size
+        spans: list[tuple[str, int, int]] = []
         for request, num_new in sched.scheduled:
             start = sched.num_computed_tokens[request.request_id]
             end = start + num_new
-            block_ids = sched.block_ids[request.request_id]
             input_ids += self._input_token_ids(request, start, end)
             positions += range(start, end)
+            spans.append((request.request_id, start, end))
+        first = next(iter(sched.block_ids.values()), [])
+        windows = self.model_windows()
+        if isinstance(first, tuple):  # one block table per group
+            metas = [self._group_metadata(sched, spans, g, window)
+                     for g, window in enumerate(windows)]
+        else:
+            metas = [self._group_metadata(sched, spans, None, windows[0])]
+        dev = self.device
+        # One host-to-device copy for the ids, positions and every group's slots (pinned, not
+        # blocking the host, on a GPU).
+        rows = to_device(torch.tensor([input_ids, positions] + [m[0] for m in metas],
+                                      dtype=torch.long, device="cpu"), dev)
+        ids, pos = rows[0], rows[1]
+        built = [self.attn_backend.build(CommonAttentionMetadata(
+            slot_mapping=rows[2 + g], query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table_ids=tables, block_size=self.block_size,
+            num_blocks=self.kv_cache.shape[2], device=dev,
+            layer_kv_bytes_per_token=self.layer_kv_bytes_per_token,
+            dtype=self.kv_cache.dtype, sliding_window=window))
+            for g, (_, query_start_loc, seq_lens, tables, window) in enumerate(metas)]
+        return ids, pos, (built if isinstance(first, tuple) else built[0])
+
+    def model_windows(self) -> list[int | None]:
+        """Each KV cache group's sliding window (None: full attention), from the model's layers."""
+        m = self.model
+        windows: dict[int, int | None] = {}
+        for i, kind in enumerate(m.layer_types):
+            windows[m.layer_group[i]] = m.sliding_window if kind == "sliding_attention" else None
+        return [windows[g] for g in sorted(windows)]
+
+    def _group_metadata(self, sched: SchedulerOutput, spans, group: int | None,
+                        window: int | None):
+        """One group's slot mapping, query starts, lengths and block tables."""
+        bs = self.block_size
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for rid, start, end in spans:
+            block_ids = sched.block_ids[rid]
+            if group is not None:
+                block_ids = block_ids[group]
             # Position p goes to slot p % block_size of logical block p // block_size.
             slot_mapping += [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + num_new)
+            query_start_loc.append(query_start_loc[-1] + end - start)
             seq_lens.append(end)
             # Only the blocks that hold this sequence's context are read.
-            block_ids_per_seq.append(block_ids[: -(-end // bs)])
-
-        dev = self.device
-        # One host-to-device copy for the three (pinned, not blocking the host, on a GPU).
-        ids, pos, slots = to_device(torch.tensor([input_ids, positions, slot_mapping],
-                                                 dtype=torch.long, device="cpu"), dev)
-        common = CommonAttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table_ids=block_ids_per_seq,
-            block_size=bs,
-            num_blocks=self.kv_cache.shape[2],
-            device=dev,
-            layer_kv_bytes_per_token=self.layer_kv_bytes_per_token,
-            dtype=self.kv_cache.dtype,
-        )
-        return ids, pos, self.attn_backend.build(common)
+            tables.append(block_ids[: -(-end // bs)])
+        return slot_mapping, query_start_loc, seq_lens, tables, window
 
     def _input_token_ids(self, request: Request, start: int, end: int) -> list[int]:
         """Tokens [start, end) of the request; past what it holds, the one the previous step

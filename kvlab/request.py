@@ -76,6 +76,10 @@ class Request:
     # found in the cache at its first admission (vLLM's num_cached_tokens).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Hybrid models (chapter 09): where a prefix other requests share ends, when the full-
+    # attention groups found it cached and a window group did not; its window's blocks are
+    # then kept keyed (vLLM's shared_prefix_boundary, set at the prefix-cache lookup).
+    shared_prefix_boundary: int = 0
     # n > 1: the other samples, forked from this one when its prompt is done (chapter 02).
     fork_children: list["Request"] = field(default_factory=list)
     group: RequestGroup | None = None  # seats shared with the other samples or beams
