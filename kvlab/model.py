@@ -14,6 +14,7 @@ share one step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -396,6 +397,47 @@ def layer_types_of(cfg, hf_overrides: dict | None = None) -> tuple[list[str], in
         raise ValueError("layer_types has sliding_attention layers but sliding_window is not "
                          "set: give it in hf_overrides")
     return types, (window if "sliding_attention" in types else None)
+
+
+def windowed_reference(loaded: LoadedModel, hf_overrides: dict) -> torch.nn.Module:
+    """transformers' own model of the loaded weights with `hf_overrides`' sliding windows: the
+    reference kvlab's windowed engine is checked against (chapter 09, tests).
+
+    transformers' Llama has no sliding-window layers, so a Llama checkpoint runs as a Qwen2
+    model, which has them (`layer_types`, `sliding_window`) and is Llama's network plus q/k/v
+    biases: here zero, so it is the same network. Qwen2 and Qwen3 checkpoints keep their own
+    architecture. These weights were trained without a window: the outputs change, and this
+    model says how.
+    """
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = loaded.config
+    types, window = layer_types_of(cfg, hf_overrides)
+    if cfg.model_type == "llama":
+        ref_cfg = Qwen2Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads, head_dim=getattr(cfg, "head_dim", None),
+            max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=cfg.rope_parameters,
+            bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+            use_sliding_window=window is not None, sliding_window=window, layer_types=types)
+    else:
+        ref_cfg = copy.deepcopy(cfg)
+        ref_cfg.use_sliding_window, ref_cfg.sliding_window = window is not None, window
+        ref_cfg.layer_types = types
+    model = AutoModelForCausalLM.from_config(ref_cfg, dtype=loaded.dtype,
+                                             attn_implementation="sdpa")
+    missing, unexpected = model.load_state_dict(loaded.hf_model.state_dict(), strict=False)
+    if unexpected or any(not name.endswith("proj.bias") for name in missing):
+        raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name in missing:  # Llama has no q/k/v biases: zero is the same network
+            model.get_parameter(name).zero_()
+    if ref_cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(loaded.device).eval().requires_grad_(False)
 
 
 class Transformer:
