@@ -14,6 +14,7 @@ takes a key itself: a command line is readable by every local user (`ps`, /proc/
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping
 
@@ -47,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
     # Unset: on, vLLM's default (vllm/config/cache.py), for the paged layout.
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--prefix-caching-hash-algo", default="sha256")
+    # vLLM's flags (vllm/engine/arg_utils.py, vllm/config/cache.py): JSON laid over the model's
+    # config (kvlab applies layer_types and sliding_window, chapter 09), and which blocks of a
+    # sliding-window group are keyed ("none": every full block).
+    p.add_argument("--hf-overrides", type=json_dict, default=None, metavar="JSON",
+                   help='e.g. \'{"layer_types": [...], "sliding_window": 128}\'')
+    p.add_argument("--prefix-cache-retention-interval", type=int_or_none, default=0)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     # vLLM 0.33.0's default loop (vllm/config/scheduler.py, vllm/config/vllm.py): schedule the
     # next step before reading this one's tokens. --no-async-scheduling: the synchronous loop.
@@ -116,7 +123,29 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "watermark": args.watermark, "policy": args.scheduling_policy,
             "long_prefill_token_threshold": args.long_prefill_token_threshold,
             "long_prefill_token_threshold_adaptive": args.long_prefill_token_threshold_adaptive,
-            "backend": args.attention_backend, "enforce_eager": args.enforce_eager}
+            "backend": args.attention_backend, "enforce_eager": args.enforce_eager,
+            "hf_overrides": args.hf_overrides,
+            "prefix_cache_retention_interval": args.prefix_cache_retention_interval}
+
+
+def json_dict(text: str) -> dict:
+    """A command-line JSON object (vLLM parses --hf-overrides the same way)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def int_or_none(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an int or 'none', got {text!r}") from None
 
 
 def server_kwargs(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict:
@@ -163,7 +192,10 @@ def main(argv=None) -> None:
     from kvlab.engine import LLM
     from kvlab.serve.api_server import serve
 
-    serve(LLM(**engine_kwargs(args)), args.host, args.port, **app_kwargs)
+    llm = LLM(**engine_kwargs(args))
+    # What vLLM logs once the pool is sized (vllm/v1/core/kv_cache_utils.py).
+    print(llm.llm_engine.kv_cache_capacity()["line"], flush=True)
+    serve(llm, args.host, args.port, **app_kwargs)
 
 
 if __name__ == "__main__":

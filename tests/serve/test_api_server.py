@@ -629,3 +629,34 @@ def test_metrics_report_preempted_prefix_cache_counters(server):
                  "kvlab:prefix_cache_preempted_hits_total"):
         assert f"# TYPE {name} counter" in metrics
         assert any(line.startswith((name + " ", name + "{")) for line in metrics.splitlines())
+
+
+def test_hybrid_flags_serve_a_windowed_model_through_the_openai_client(text_ids):
+    """vLLM's --hf-overrides and --prefix-cache-retention-interval: the served windowed model
+    answers what the offline one does (chapter 09)."""
+    openai = pytest.importorskip("openai")
+    from kvlab.serve import BackgroundServer
+    from kvlab.serve.cli import engine_kwargs, parser
+
+    overrides = '{"layer_types": ' + str(["sliding_attention", "full_attention"] * 15).replace(
+        "'", '"') + ', "sliding_window": 32}'
+    args = parser().parse_args(["serve", "--block-size", "8", "--kv-cache-tokens", "1024",
+                                "--max-model-len", "256", "--hf-overrides", overrides,
+                                "--prefix-cache-retention-interval", "none"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["prefix_cache_retention_interval"] is None
+    llm = LLM(**kwargs)
+    assert llm.stats()["num_kv_cache_groups"] == 2
+    prompt = text_ids[:80]
+    offline = LLM(**kwargs).generate({"prompt_token_ids": prompt},
+                                     SamplingParams(max_tokens=12, temperature=0))
+    server = BackgroundServer(llm)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                        max_tokens=12, temperature=0)
+    finally:
+        server.stop()
+    assert got.choices[0].text == offline[0].outputs[0].text
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--hf-overrides", "[1, 2]"])
