@@ -104,10 +104,13 @@ class HybridKVCacheManager(KVCacheManager):
         if self._num_blocks_to_allocate(request_id, num_tokens, hits,
                                         num_computed_tokens) + watermark > free():
             return False
-        new_request = request_id not in self.managers[0].req_to_blocks
-        for mgr, group_hits in zip(self.managers, hits):
-            if new_request:
+        # Every group's hits first, then every group's new blocks: a hit still in the free
+        # queue must be taken out before any group pops new blocks from its head (vLLM: the
+        # coordinator's allocate_new_computed_blocks, then allocate_new_blocks).
+        if request_id not in self.managers[0].req_to_blocks:
+            for mgr, group_hits in zip(self.managers, hits):
                 mgr.add_computed_blocks(request_id, group_hits, num_computed_tokens)
+        for mgr in self.managers:
             mgr.allocate_new_blocks(request_id, num_tokens)
         if request is not None:
             self.cache_blocks(request, num_tokens)

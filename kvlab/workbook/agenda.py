@@ -49,7 +49,7 @@ PREDICTION = re.compile(r"^prediction_\w+\s*=", re.MULTILINE)  # one question a 
 # after the chapter named. 06 is never last in a session where a delay would eat it.
 SESSIONS: tuple[dict, ...] = (
     {"name": "Session 1", "chapters": ("00", "01", "02", "03"), "break_after": "01"},
-    {"name": "Session 2", "chapters": ("04", "05", "06", "07", "08"), "break_after": "05"},
+    {"name": "Session 2", "chapters": ("04", "05", "06", "07", "08", "09"), "break_after": "05"},
 )
 
 

@@ -100,6 +100,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             challenges={"ch08_kv_precision": ("kv_precision",)},
             figures=("precision_plots",),
             bench=("kv-dtype", "weights-dtype")),
+    Chapter("09", "09_sliding_window.ipynb",
+            builds={"ch09_sliding_window": ("window_blocks",)},
+            figures=("hybrid_plots",)),
 )
 
 

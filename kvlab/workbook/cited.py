@@ -34,6 +34,7 @@ _PAGED = "Kwon et al., PagedAttention, SOSP 2023 (arXiv 2309.06180)"
 _ORCA = "Yu et al., Orca, OSDI 2022"
 _SARATHI = "Agrawal et al., Sarathi-Serve, OSDI 2024 (arXiv 2403.02310)"
 _KIVI = "Liu et al., KIVI, ICML 2024 (arXiv 2402.02750)"
+_GEMMA3 = "Gemma Team, Gemma 3 Technical Report, 2025 (arXiv 2503.19786)"
 _ARGS = "vLLM 0.33.0, vllm/engine/arg_utils.py (EngineArgs.get_batch_defaults)"
 _A1 = "[KV-Anatomy]"
 _A2 = "[Paged-Sim]"
@@ -58,6 +59,12 @@ def _anatomy(key, value, unit, where, setup) -> Figure:
 
 FIGURES: tuple[Figure, ...] = (
     # ---- the papers
+    Figure("gemma3.local_window", 1024, "tokens", _GEMMA3,
+           "section 2: the span of its local (sliding-window) layers",
+           "a model's design, no measurement", "5 local layers to each global layer"),
+    Figure("gemma3.context", 131072, "tokens", _GEMMA3,
+           "section 2: the context length, 128K tokens (the 1B model: 32K)",
+           "a model's design, no measurement"),
     Figure("paged.kv_used_by_tokens", (20.4, 38.2), "%", _PAGED,
            "Figure 2: KV memory holding actual token states in existing systems",
            "NVIDIA A100, 13B model", "13B model on an A100: about 65% of memory weights, 30% KV"),

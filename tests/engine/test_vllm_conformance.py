@@ -1616,7 +1616,8 @@ _MM = "multimodal input (kvlab is text only)"
 _SD = "speculative decoding (kvlab has none)"
 _KVC = "KV connector / P-D disaggregation (kvlab has none)"
 _EC = "encoder cache / EC connector (kvlab has no encoder)"
-_HY = "hybrid or non-full-attention KV cache groups (kvlab has one full-attention group)"
+_HY = ("hybrid KV cache groups: tests/engine/test_vllm_hybrid_conformance.py ports them or "
+       "says why not")
 _EA = "EAGLE prefix-cache hashing (kvlab has no EAGLE)"
 _CFG = "KV cache sizing from memory / layer specs (kvlab sizes its pool from kv_cache_tokens)"
 

@@ -251,7 +251,39 @@ def alt_my_tuning():
     return {"block_size": 8, "max_num_batched_tokens": 96}
 
 
+def alt_remove_skipped_blocks(block_table, num_computed_tokens, sliding_window, block_size):
+    """Position by position: a block goes when its last position is before the window."""
+    first_read = num_computed_tokens - sliding_window + 1
+    table, freed = [], []
+    for i, block in enumerate(block_table):
+        last_position = (i + 1) * block_size - 1
+        if block != 0 and last_position < first_read:
+            freed.append(block)
+            block = 0
+        table.append(block)
+    return table, freed
+
+
+def window_ceil(block_table, num_computed_tokens, sliding_window, block_size):
+    """Gives back a block the window still reaches in part."""
+    n = min(-(-max(0, num_computed_tokens - sliding_window + 1) // block_size), len(block_table))
+    return [0] * n + list(block_table[n:]), [b for b in block_table[:n] if b]
+
+
+def window_off_by_one(block_table, num_computed_tokens, sliding_window, block_size):
+    """The window of the token before: one position too many kept."""
+    n = min(max(0, num_computed_tokens - sliding_window) // block_size, len(block_table))
+    return [0] * n + list(block_table[n:]), [b for b in block_table[:n] if b]
+
+
+def window_frees_nulls(block_table, num_computed_tokens, sliding_window, block_size):
+    """Lists the null block among the freed."""
+    n = min(max(0, num_computed_tokens - sliding_window + 1) // block_size, len(block_table))
+    return [0] * n + list(block_table[n:]), list(block_table[:n])
+
+
 ALTERNATIVES = {
+    "window_blocks": alt_remove_skipped_blocks,
     "decode_attention": alt_decode_attention,
     "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
     "allocate_slots": alt_allocate_slots, "copy_on_write": alt_copy_on_write,
@@ -551,6 +583,11 @@ def kv_full_precision(num_requests, request_len, block_size, max_kl, kl_by_dtype
 
 
 BUGS = [
+    ("window_blocks", window_ceil, "reaches in part"),
+    ("window_blocks", window_off_by_one, "several blocks"),
+    ("window_blocks", window_frees_nulls, "not given back again"),
+    ("window_blocks", lambda block_table, num_computed_tokens, sliding_window, block_size:
+     (list(block_table), []), "in part"),
     ("quantize_int8", int8_per_tensor, "the finest step"),
     ("quantize_int8", int8_per_vector(100), "the finest step"),
     ("quantize_int8", int8_per_vector(150), "within half a step"),  # clips

@@ -24,6 +24,7 @@ Exercises, by chapter:
     05 longest_cache_hit   how much of a prompt the prefix cache can serve
     06 timing_attack       read a cache hit off the clock
     08 quantize_int8       K/V stored in int8, and read back
+    09 window_blocks       what a sliding-window group gives back while a request runs
 
 Challenges (kind "challenge": a decision, measured on the real model against the best one):
     01 kv_pool_size        the smallest KV pool for a burst, contiguous and paged
