@@ -27,7 +27,8 @@ from kvlab.group_scheduler import GroupScheduler
 from kvlab.inputs import ParsedPrompt, parse_prompt
 from kvlab.kv_cache import allocate_kv_cache, get_kv_cache_manager_cls, make_kv_cache_manager
 from kvlab.kv_cache_coordinator import HybridKVCacheManager, is_hybrid
-from kvlab.kv_cache_interface import capacity_line, get_kv_cache_groups, layer_specs
+from kvlab.kv_cache_interface import (bytes_per_block, capacity_line, get_kv_cache_groups,
+                                      layer_specs)
 from kvlab.kv_quant import check_float_kv_cache_dtype, get_kv_cache_dtype
 from kvlab.metrics import RequestMetrics
 from kvlab.model import Transformer, load_model
@@ -137,9 +138,14 @@ class LLMEngine:
         num_layer_slots, num_blocks = m.num_layers, config.num_blocks
         if self.is_hybrid:
             check_hybrid_config(config, self.kv_cache_dtype.is_identity(self.dtype))
-            # The same bytes as a pool for every layer: a block costs one group's layers.
+            # The same bytes as a pool for every layer: a block costs one group's layers. Given
+            # in bytes, the pool is those bytes in whole blocks, as vLLM sizes it
+            # (available memory // bytes per block, vllm/v1/core/kv_cache_planning.py).
             num_layer_slots = len(self.kv_cache_groups[0].layers)
-            num_blocks = config.num_blocks * m.num_layers // num_layer_slots
+            if config.kv_cache_memory_bytes is not None:
+                num_blocks = config.kv_cache_memory_bytes // bytes_per_block(self.kv_cache_groups)
+            else:
+                num_blocks = config.num_blocks * m.num_layers // num_layer_slots
             for g, group in enumerate(self.kv_cache_groups):
                 for slot, layer in enumerate(group.layers):
                     m.layer_group[layer], m.layer_slot[layer] = g, slot

@@ -331,6 +331,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [blk.block_id for blk in self.req_to_blocks.get(request_id, [])]
 
+    def block_tables_by_group(self) -> list[dict[str, list[KVCacheBlock]]]:
+        """Every request's blocks, one mapping per KV cache group (one group here)."""
+        return [self.req_to_blocks]
+
     def memory_map(self, num_tokens: dict[str, int],
                    final_tokens: dict[str, int] | None = None) -> list[tuple[str | None, int, int]]:
         """For each physical block, in address order: (owner request id or None, slots holding

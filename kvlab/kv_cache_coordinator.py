@@ -204,6 +204,9 @@ class HybridKVCacheManager(KVCacheManager):
         return tuple([blk.block_id for blk in mgr.req_to_blocks.get(request_id, [])]
                      for mgr in self.managers)
 
+    def block_tables_by_group(self) -> list[dict[str, list[KVCacheBlock]]]:
+        return [mgr.req_to_blocks for mgr in self.managers]
+
     def check_invariants(self) -> None:
         """Each block's ref_cnt is the number of tables, in any group, that hold it."""
         self.block_pool.check_invariants()

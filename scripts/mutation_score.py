@@ -37,6 +37,10 @@ MUTANT_TIMEOUT_S = 20.0  # a mutant that runs longer than this counts as caught
 # (exercise, statement before, statement after) -> why the mutant behaves exactly like the
 # solution. Statements are as `ast.unparse` prints their first line.
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("window_blocks", "num_skipped_tokens = max(0, num_computed_tokens - sliding_window + 1)",
+     "num_skipped_tokens = max(-1, num_computed_tokens - sliding_window + 1)"):
+        "a negative count of skipped tokens is at most -1 blocks either way (floor division): "
+        "the loop over skipped blocks runs zero times, as for 0",
     ("timing_attack", "return ttft < threshold", "return ttft <= threshold"):
         "differs only when a TTFT equals the threshold exactly, which measured floats never do",
     ("chunked_prefill", "if num_new > 0:", "if num_new >= 0:"):

@@ -102,6 +102,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             bench=("kv-dtype", "weights-dtype")),
     Chapter("09", "09_sliding_window.ipynb",
             builds={"ch09_sliding_window": ("window_blocks",)},
+            challenges={"ch09_hybrid_pool": ("hybrid_pool",)},
             figures=("hybrid_plots",)),
 )
 

@@ -43,6 +43,7 @@ class BlockView:
     key: str | None  # its prefix-cache key, in hex; None when it has none
     just_copied: bool  # written by a copy (copy-on-write, or a fork copy) in the last step
     is_null: bool = False  # block 0, vLLM's null block: never handed out
+    group: int | None = None  # the KV cache group whose tables hold it (hybrid models only)
 
     @property
     def state(self) -> str:
@@ -109,9 +110,20 @@ class EngineSnapshot:
     # The pool's precision (vLLM's kv_cache_dtype) and what one token costs it, scales included.
     kv_cache_dtype: str = "auto"
     kv_bytes_per_token: int = 0
+    # A hybrid model's KV cache groups, in group order ("window 32", "full attention"); empty
+    # for one group. A request's block table is then one list per group.
+    groups: list[str] = field(default_factory=list)
 
     def count(self, state: str) -> int:
         return sum(1 for b in self.blocks if b.state == state)
+
+
+def _group_names(engine) -> list[str]:
+    groups = getattr(engine, "kv_cache_groups", [])
+    if len(groups) < 2:
+        return []
+    return [f"window {g.spec.sliding_window}" if hasattr(g.spec, "sliding_window")
+            else "full attention" for g in groups]
 
 
 def _key(block_hash: bytes | None) -> str | None:
@@ -135,16 +147,24 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
     computed = {r.request_id: r.num_computed_tokens for r in live}
     owners: dict[int, list[str]] = {}
     filled: dict[int, int] = {}
-    for rid, blocks in kv.req_to_blocks.items():
-        n = computed.get(rid, 0)
-        for i, blk in enumerate(blocks):
-            owners.setdefault(blk.block_id, []).append(rid)
-            filled[blk.block_id] = max(filled.get(blk.block_id, 0), max(0, min(bs, n - i * bs)))
+    group_of: dict[int, int] = {}
+    tables = kv.block_tables_by_group()
+    for g, by_request in enumerate(tables):
+        for rid, blocks in by_request.items():
+            n = computed.get(rid, 0)
+            for i, blk in enumerate(blocks):
+                if blk.is_null:  # a window's given-back block (chapter 09): no one holds it
+                    continue
+                owners.setdefault(blk.block_id, []).append(rid)
+                filled[blk.block_id] = max(filled.get(blk.block_id, 0),
+                                           max(0, min(bs, n - i * bs)))
+                if len(tables) > 1:
+                    group_of[blk.block_id] = g
     copies = [] if sched is None else list(sched.fork_copies) + list(sched.cow_copies)
     copied = {dst for _, dst in copies}
     blocks = [BlockView(blk.block_id, blk.ref_cnt, tuple(owners.get(blk.block_id, ())),
                         filled.get(blk.block_id, 0), _key(blk.block_hash),
-                        blk.block_id in copied, blk.is_null)
+                        blk.block_id in copied, blk.is_null, group_of.get(blk.block_id))
               for blk in pool.blocks]
     requests = {
         r.request_id: RequestView(r.request_id, r.status.value,
@@ -174,6 +194,7 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
         num_decode_tokens=num_decode, num_prefill_tokens=num_prefill, events=events,
         colours=colours, num_kv_events=engine.num_kv_events,
         kv_cache_dtype=engine.kv_cache_dtype.name, kv_bytes_per_token=engine.kv_bytes_per_token,
+        groups=_group_names(engine),
         stats={"num_preemptions": scheduler.num_preemptions, "num_cow_copies": kv.num_cow_copies,
                "prefix_cache_hits": kv.prefix_cache_hits},  # first admissions, as vLLM
     )

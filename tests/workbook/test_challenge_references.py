@@ -16,6 +16,7 @@ from kvlab.workbook.exercises import ch01_kv_pool_size as ch01
 from kvlab.workbook.exercises import ch02_fork_pool_size as ch02
 from kvlab.workbook.exercises import ch03_max_num_seqs as ch03
 from kvlab.workbook.exercises import ch08_kv_precision as ch08
+from kvlab.workbook.exercises import ch09_hybrid_pool as ch09
 from kvlab.workbook.exercises._challenge import _run
 
 
@@ -86,3 +87,37 @@ def test_kv_precision_reference_bytes_fit_and_one_block_less_does_not():
     short = ch08._burst(dtype, nbytes - b["block_size"] * bpt[dtype])
     assert not _failed(at, b["num_requests"]), at
     assert _failed(short, b["num_requests"]), short
+
+
+@pytest.mark.slow  # ten bursts on the windowed model
+@pytest.mark.parametrize("work", [
+    dict(ch09.BURST),
+    dict(num_requests=6, prompt_len=21, output_len=80, block_size=8, sliding_window=32),
+    dict(num_requests=4, prompt_len=30, output_len=90, block_size=4, sliding_window=24),
+    dict(num_requests=8, prompt_len=61, output_len=9, block_size=8, sliding_window=16),
+    dict(num_requests=10, prompt_len=13, output_len=48, block_size=8, sliding_window=16),
+], ids=lambda w: f"{w['num_requests']}x{w['prompt_len']}+{w['output_len']}")
+def test_hybrid_pool_reference_fits_and_one_block_less_does_not(work):
+    """The challenge's own burst and the four its arithmetic case tries: the reference's bytes
+    are the windowed engine's minimum, to the block."""
+    from kvlab.bench.hybrid import overrides
+
+    bs = work["block_size"]
+    block_bytes = ch09._block_bytes(bs)
+    best = ch09.choose_hybrid_pool(**work, block_bytes=block_bytes) // block_bytes
+    n, p, o = work["num_requests"], work["prompt_len"], work["output_len"]
+    prompts = _real_engine.prompt_ids([p] * n)
+    sp = SamplingParams(max_tokens=o, temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def run(blocks):
+        return _run(dict(hf_overrides=overrides(work["sliding_window"]), block_size=bs,
+                         kv_cache_memory_bytes=blocks * block_bytes, max_model_len=p + o,
+                         max_num_seqs=n, max_num_batched_tokens=n * p,
+                         enable_prefix_caching=False), prompts, [sp] * n)
+
+    def started_together(r):
+        return r["preemptions"] == 0 and r["first_running"] == n
+
+    assert started_together(run(best))
+    assert not started_together(run(best - 1))

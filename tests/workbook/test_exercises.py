@@ -282,7 +282,22 @@ def window_frees_nulls(block_table, num_computed_tokens, sliding_window, block_s
     return [0] * n + list(block_table[n:]), list(block_table[:n])
 
 
+def alt_choose_hybrid_pool(num_requests, prompt_len, output_len, block_size, sliding_window,
+                           block_bytes):
+    """Request by request, the larger of the two moments, in blocks, then bytes."""
+    import math
+
+    blocks = 1  # the null block
+    for _ in range(num_requests):
+        full_at_end = math.ceil((prompt_len + output_len - 1) / block_size)
+        window_at_end = math.ceil(sliding_window / block_size) + 1
+        both_after_prefill = 2 * math.ceil((prompt_len + 1) / block_size)
+        blocks += max(full_at_end + window_at_end, both_after_prefill)
+    return blocks * block_bytes
+
+
 ALTERNATIVES = {
+    "hybrid_pool": alt_choose_hybrid_pool,
     "window_blocks": alt_remove_skipped_blocks,
     "decode_attention": alt_decode_attention,
     "paged_attention": alt_paged_attention, "block_pool": AltBlockPool,
@@ -583,6 +598,21 @@ def kv_full_precision(num_requests, request_len, block_size, max_kl, kl_by_dtype
 
 
 BUGS = [
+    # The window group counted as a full-attention group: far too many bytes.
+    ("hybrid_pool", lambda num_requests, prompt_len, output_len, block_size, sliding_window,
+     block_bytes: (num_requests * 2 * -(-(prompt_len + output_len - 1) // block_size) + 1)
+     * block_bytes, "four other bursts"),
+    # Only the end counted: short outputs peak right after the prefill.
+    ("hybrid_pool", lambda num_requests, prompt_len, output_len, block_size, sliding_window,
+     block_bytes: (num_requests * (-(-(prompt_len + output_len - 1) // block_size)
+                                   + -(-sliding_window // block_size) + 1) + 1) * block_bytes,
+     "four other bursts"),
+    # The window without its extra block (it need not start on a block's edge).
+    ("hybrid_pool", lambda num_requests, prompt_len, output_len, block_size, sliding_window,
+     block_bytes: (num_requests * max(-(-(prompt_len + output_len - 1) // block_size)
+                                      + -(-sliding_window // block_size),
+                                      2 * -(-(prompt_len + 1) // block_size)) + 1) * block_bytes,
+     "four other bursts"),
     ("window_blocks", window_ceil, "reaches in part"),
     ("window_blocks", window_off_by_one, "several blocks"),
     ("window_blocks", window_frees_nulls, "not given back again"),

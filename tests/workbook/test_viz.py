@@ -440,3 +440,24 @@ def test_chapter_07_figures_read_from_the_back_row():
                   for x in seg[:, 0])
     assert ends == [39.0, 44.0, 68.0, 75.0]
     plt.close(left.figure)
+
+
+def test_hybrid_figure_and_table_read_at_a_glance():
+    """Chapter 09: one line per kind of group, a legend of both, whole-number axes; the
+    capacity table has a row per model and the columns it names."""
+    rows = [{"tokens": t, "full": -(-t // 8), "window": min(-(-t // 8), 5), "window_table": []}
+            for t in range(40, 100)]
+    fig = viz.plot_blocks_per_group({"rows": rows, "window": 32, "block_size": 8})
+    ax = fig.axes[0]
+    assert len(ax.get_lines()) == 2
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("full-attention" in s for s in labels) and any("window 32" in s for s in labels)
+    assert all(float(t.get_text().replace("−", "-")).is_integer()
+               for t in ax.get_yticklabels() if t.get_text())
+    assert_no_text_under({"hybrid": fig})
+    plt.close(fig)
+    table = viz.format_capacity([
+        {"model": "every layer full", "groups": 1, "num_blocks": 129, "kv_bytes": 2**20,
+         "vllm_tokens": 1032, "vllm_concurrency": 4.03, "preemptions": 7, "steps": 130}])
+    head, row = table.splitlines()
+    assert "preemptions" in head and "1,032" in row and "4.03x" in row

@@ -34,6 +34,7 @@ Challenges (kind "challenge": a decision, measured on the real model against the
     06 salt_scheme         the salt a server attaches, so that a stolen salt opens nothing
     07 tuning_lab          the settings that keep a workload within a latency SLO (goodput)
     08 kv_precision        a kv_cache_dtype and a pool in bytes for a burst, within a KL bound
+    09 hybrid_pool         the bytes a burst needs on a model with sliding-window layers
 
 Which chapter holds which exercise, and the module that defines it (chNN_*.py here, one per
 build or challenge topic), is the chapter index's to say: kvlab/workbook/chapters.py.

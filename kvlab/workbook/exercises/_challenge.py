@@ -57,5 +57,6 @@ def _run(llm_kwargs: dict, prompts: list[list[int]], params: list[SamplingParams
         raise Mismatch("every request finishes", f"still running after {MAX_STEPS} steps: the "
                        "pool is too small for the requests it preempts to ever finish")
     return {"peak_running": max((r.num_running for r in engine.step_trace), default=0),
+            "first_running": engine.step_trace[0].num_running if engine.step_trace else 0,
             "preemptions": engine.stats()["num_preemptions"],
             "tokens": [outs[f"r{i}"] for i in range(len(prompts))]}

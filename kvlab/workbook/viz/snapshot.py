@@ -137,9 +137,14 @@ def _queue_and_table_lines(snap: EngineSnapshot) -> list[tuple[str, object]]:
     left += [(line, black) for q in format_queues(snap).splitlines()
             for line in textwrap.wrap(q, LEFT_WRAP, subsequent_indent="    ")]
     left += [("", black), ("block tables (logical -> physical block):", black)]
+    if snap.groups:  # a hybrid model: one table per KV cache group, 0 the null block
+        left.append(("  " + ", ".join(f"g{g}: {name}" for g, name in enumerate(snap.groups)),
+                     black))
     refs = [b.ref_cnt for b in snap.blocks]
     for rid, table in snap.block_tables.items():
-        text = format_block_tables({rid: table}, max_entries=16, ref_cnts=refs)
+        per_group = ({f"{rid} g{g}": t for g, t in enumerate(table)}
+                     if isinstance(table, tuple) else {rid: table})
+        text = format_block_tables(per_group, max_entries=16, ref_cnts=refs)
         left += [(line, _block_colour(snap, rid))
                  for line in textwrap.wrap(text, LEFT_WRAP, subsequent_indent="    ")]
     if not snap.block_tables:
@@ -211,7 +216,8 @@ def _draw_block(ax, snap: EngineSnapshot, b, columns: int, rows: int) -> None:
         # near (tab10's blue and cyan, olive and goldenrod) are told apart by more than hue.
         under = (_block_colour(snap, b.owners[0])
                  if 2 * b.num_filled >= snap.block_size else (1, 1, 1))
-        ax.text(x + 0.06, y + 0.84, b.owners[0], va="top", fontsize=FONT_PT,
+        label = b.owners[0] if b.group is None else f"{b.owners[0]} g{b.group}"
+        ax.text(x + 0.06, y + 0.84, label, va="top", fontsize=FONT_PT,
                 color=_ink_on(under), gid=f"owner-{b.block_id}")
     if small and state != SHARED:
         # The id sits in the block's lower left: over the solid part once a third of the
