@@ -193,3 +193,22 @@ def test_beam_search_is_refused_and_the_engine_stays_usable(text_ids):
                        SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
     assert_no_blocks_held(llm)
+
+
+def test_seeded_sampling_draws_from_transformers_windowed_distribution(loaded, text_ids):
+    """Seeded, with prefix caching and small chunks: every sampled token's logprob is the one
+    transformers' windowed model gives that token after the same context (teacher-forced)."""
+    ref = windowed_reference(loaded, OVERRIDES)
+    llm = hybrid(max_num_batched_tokens=24)
+    ps = prompts(text_ids, [70, 41])
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(max_tokens=20, temperature=0.9, seed=3, logprobs=1,
+                                       ignore_eos=True))
+    for p, o in zip(ps, outs):
+        tokens = o.outputs[0].token_ids
+        with torch.inference_mode():
+            logits = ref(torch.tensor([p + tokens])).logits[0].float()
+        want = torch.log_softmax(logits, dim=-1)
+        for i, (token, lp) in enumerate(zip(tokens, o.outputs[0].logprobs)):
+            assert abs(lp[token] - want[len(p) - 1 + i, token].item()) < 1e-3, (i, token)
+    assert_no_blocks_held(llm)
