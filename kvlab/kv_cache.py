@@ -172,10 +172,16 @@ class KVCacheManager:
         have = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         need = max(self.num_blocks_for(num_tokens) - have, 0) + num_copies
         need += sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
+        need += self._watermark_for(request, has_scheduled_reqs)
+        return need <= self.block_pool.get_num_free_blocks()
+
+    def _watermark_for(self, request, has_scheduled_reqs: bool) -> int:
+        """The blocks an admission must leave free: the watermark, for a waiting or preempted
+        request while others are scheduled."""
         if (request is not None and has_scheduled_reqs
                 and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)):
-            need += self.watermark_blocks
-        return need <= self.block_pool.get_num_free_blocks()
+            return self.watermark_blocks
+        return 0
 
     def full_sequence_fits(self, request, new_computed_blocks=(), num_copies: int = 0,
                            has_scheduled_reqs: bool = True) -> bool:

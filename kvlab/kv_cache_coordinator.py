@@ -28,7 +28,6 @@ from kvlab.block_pool import KVCacheBlock
 from kvlab.kv_cache import KVCacheManager
 from kvlab.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from kvlab.prefix_cache import extend_block_hashes
-from kvlab.request import RequestStatus
 from kvlab.single_type_kv_cache_manager import SlidingWindowManager, manager_for
 
 
@@ -76,12 +75,6 @@ class HybridKVCacheManager(KVCacheManager):
             total += mgr.get_num_blocks_to_allocate(request_id, num_tokens, group_hits,
                                                     num_computed_tokens, cap)
         return total
-
-    def _watermark_for(self, request, has_scheduled_reqs: bool) -> int:
-        if (request is not None and has_scheduled_reqs
-                and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)):
-            return self.watermark_blocks
-        return 0
 
     def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
                        new_computed_blocks=(), request=None, *,

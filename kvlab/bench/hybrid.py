@@ -61,8 +61,8 @@ def capacity(patterns: dict[str, dict | None], kv_cache_tokens: int, block_size:
              max_model_len: int, max_num_batched_tokens: int, burst: int, prompt_len: int,
              output_len: int, prompt_ids, model: str | None = None) -> list[dict]:
     """For each model (None: every layer full attention), at the same KV bytes: the blocks in
-    the pool, vLLM's start-up figures, and a burst run through it (the most requests running
-    at once, preemptions)."""
+    the pool, vLLM's start-up figures, and a burst run through it (requests running at once,
+    the most and on average over its steps; preemptions)."""
     rows = []
     for name, hf in patterns.items():
         llm = LLM(model, hf_overrides=hf, block_size=block_size, kv_cache_tokens=kv_cache_tokens,
@@ -79,6 +79,7 @@ def capacity(patterns: dict[str, dict | None], kv_cache_tokens: int, block_size:
                      "vllm_tokens": cap["kv_cache_size_tokens"],
                      "vllm_concurrency": cap["kv_cache_max_concurrency"],
                      "line": cap["line"], "peak_running": max(r.num_running for r in trace),
+                     "mean_running": sum(r.num_running for r in trace) / len(trace),
                      "preemptions": stats["num_preemptions"], "steps": len(trace)})
     return rows
 

@@ -458,6 +458,7 @@ def test_hybrid_figure_and_table_read_at_a_glance():
     plt.close(fig)
     table = viz.format_capacity([
         {"model": "every layer full", "groups": 1, "num_blocks": 129, "kv_bytes": 2**20,
-         "vllm_tokens": 1032, "vllm_concurrency": 4.03, "preemptions": 7, "steps": 130}])
+         "vllm_tokens": 1032, "vllm_concurrency": 4.03, "mean_running": 7.9, "preemptions": 7,
+         "steps": 130}])
     head, row = table.splitlines()
     assert "preemptions" in head and "1,032" in row and "4.03x" in row

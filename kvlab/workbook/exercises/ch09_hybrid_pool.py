@@ -41,13 +41,13 @@ def choose_hybrid_pool(num_requests, prompt_len, output_len, block_size, sliding
 STUB = '''def choose_hybrid_pool(num_requests, prompt_len, output_len, block_size, sliding_window,
                        block_bytes):
     """Return kv_cache_memory_bytes (an int) for a burst of num_requests requests arriving
-    together, each a prompt_len-token prompt then output_len new tokens, on this chapter's
-    windowed model (a window of sliding_window tokens on every other layer: two KV cache
-    groups, blocks of block_size tokens). block_bytes: the bytes of one block id (a page in
-    every layer of one group). The check runs the burst on the real model in your bytes: every
-    request must be let in at the first step and run to its end with nothing preempted, and
-    your bytes may be at most 25% above the fewest that do, found by a search on the same
-    engine."""
+    together, each its own prompt_len-token prompt (nothing shared) then output_len new tokens,
+    on this chapter's windowed model (a window of sliding_window tokens on every other layer:
+    two KV cache groups, blocks of block_size tokens). block_bytes: the bytes of one block id (a
+    page in every layer of one group); the pool is your bytes in whole blocks, block 0 (the null
+    block) among them. The check runs the burst on the real model in your bytes: every request
+    must be let in at the first step and run to its end with nothing preempted, and your bytes
+    may be at most 25% above the fewest that do, found by a search on the same engine."""
     raise NotImplementedError("your turn")
 '''
 
@@ -145,8 +145,8 @@ HYBRID_POOL = Exercise(
     title="a pool for a burst on the windowed model",
     kind="challenge",
     prompt=(
-        "Size the KV pool, in bytes, for a burst of equal requests on this chapter's windowed "
-        "model: every request must start at the first step and run to its end with nothing "
+        "Size the KV pool, in bytes, for a burst of requests of equal lengths (nothing shared) "
+        "on this chapter's windowed model: every request must start at the first step and run to its end with nothing "
         "preempted, in as few bytes as you can. The figure on the path shows what each group holds as a request "
         "grows. The check tries other bursts, then runs yours on the real model and searches "
         "for the fewest bytes that work; up to 25% above them passes."

@@ -34,10 +34,11 @@ def plot_blocks_per_group(trace: dict):
 def format_capacity(rows: list[dict]) -> str:
     """`kvlab.bench.hybrid.capacity`'s rows as a table."""
     head = (f"{'model':24} {'groups':>6} {'blocks':>7} {'KV MiB':>7} {'vLLM: tokens':>12} "
-            f"{'concurrency':>11} {'preemptions':>11} {'steps':>6}")
+            f"{'concurrency':>11} {'running (mean)':>14} {'preemptions':>11} {'steps':>6}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['model']:24} {r['groups']:>6} {r['num_blocks']:>7} "
                      f"{r['kv_bytes'] / 2**20:>7.1f} {r['vllm_tokens']:>12,} "
-                     f"{r['vllm_concurrency']:>10.2f}x {r['preemptions']:>11} {r['steps']:>6}")
+                     f"{r['vllm_concurrency']:>10.2f}x {r['mean_running']:>14.1f} "
+                     f"{r['preemptions']:>11} {r['steps']:>6}")
     return "\n".join(lines)
