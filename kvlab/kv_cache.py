@@ -322,13 +322,16 @@ class KVCacheManager:
             self.block_pool.free_blocks(list(reversed(blocks)))
 
     def check_invariants(self) -> None:
-        """The pool's own check, and: every block's ref_cnt is the number of block tables
-        that hold it (`debug_checks=True` runs this after every step)."""
+        """The pool's own check, and: every block's ref_cnt is the number of block tables, in
+        any KV cache group, that hold it; the null block, standing in a table for a block given
+        back (chapter 09), is never counted (`debug_checks=True` runs this after every step)."""
         self.block_pool.check_invariants()
         held: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for blk in blocks:
-                held[blk.block_id] = held.get(blk.block_id, 0) + 1
+        for tables in self.block_tables_by_group():
+            for blocks in tables.values():
+                for blk in blocks:
+                    if not blk.is_null:
+                        held[blk.block_id] = held.get(blk.block_id, 0) + 1
         for blk in self.block_pool.blocks:
             assert blk.ref_cnt == held.get(blk.block_id, 0), (
                 f"block {blk.block_id} has ref_cnt {blk.ref_cnt} but "
@@ -356,13 +359,16 @@ class KVCacheManager:
         owner: list[tuple[str | None, int, int]] = [(None, 0, 0)] * self.num_blocks
         if self.block_pool.null_block is not None:
             owner[self.block_pool.null_block.block_id] = (NULL_BLOCK_OWNER, 0, 0)
-        for rid, blocks in self.req_to_blocks.items():
-            n = num_tokens.get(rid, 0)
-            end = (final_tokens or {}).get(rid, len(blocks) * bs)
-            for i, blk in enumerate(blocks):
-                filled = max(0, min(bs, n - i * bs))
-                reserved = max(0, min(bs, end - i * bs) - filled)
-                owner[blk.block_id] = (rid, filled, reserved)
+        for tables in self.block_tables_by_group():  # a window's given-back blocks are free
+            for rid, blocks in tables.items():
+                n = num_tokens.get(rid, 0)
+                end = (final_tokens or {}).get(rid, len(blocks) * bs)
+                for i, blk in enumerate(blocks):
+                    if blk.is_null:
+                        continue
+                    filled = max(0, min(bs, n - i * bs))
+                    reserved = max(0, min(bs, end - i * bs) - filled)
+                    owner[blk.block_id] = (rid, filled, reserved)
         return owner
 
     def unusable_free_blocks(self) -> set[int]:

@@ -57,7 +57,6 @@ class HybridKVCacheManager(KVCacheManager):
         self.lookup_order = sorted(
             range(len(self.managers)),
             key=lambda g: not isinstance(self.kv_cache_groups[g].spec, FullAttentionSpec))
-        self.share_blocks = False
 
     # ---- admission and growth -----------------------------------------------------------------
     def _per_group(self, new_computed_blocks) -> tuple[list[KVCacheBlock], ...]:
@@ -200,46 +199,10 @@ class HybridKVCacheManager(KVCacheManager):
     def block_tables_by_group(self) -> list[dict[str, list[KVCacheBlock]]]:
         return [mgr.req_to_blocks for mgr in self.managers]
 
-    def check_invariants(self) -> None:
-        """Each block's ref_cnt is the number of tables, in any group, that hold it."""
-        self.block_pool.check_invariants()
-        held: dict[int, int] = {}
-        for mgr in self.managers:
-            for blocks in mgr.req_to_blocks.values():
-                for blk in blocks:
-                    if not blk.is_null:
-                        held[blk.block_id] = held.get(blk.block_id, 0) + 1
-        for blk in self.block_pool.blocks:
-            if blk.is_null:
-                continue
-            assert blk.ref_cnt == held.get(blk.block_id, 0), (
-                f"block {blk.block_id} has ref_cnt {blk.ref_cnt} but "
-                f"{held.get(blk.block_id, 0)} block tables hold it")
-
     def num_blocks_held(self, request_id: str) -> list[int]:
         """Real blocks (not the null block) each group's table holds for the request."""
         return [sum(not blk.is_null for blk in mgr.req_to_blocks.get(request_id, []))
                 for mgr in self.managers]
-
-    def memory_map(self, num_tokens: dict[str, int],
-                   final_tokens: dict[str, int] | None = None) -> list[tuple[str | None, int, int]]:
-        """As `KVCacheManager.memory_map`, every group's tables (a window's given-back blocks
-        are free again)."""
-        from kvlab.kv_cache import NULL_BLOCK_OWNER
-
-        bs = self.block_size
-        owner: list[tuple[str | None, int, int]] = [(None, 0, 0)] * self.num_blocks
-        owner[self.block_pool.null_block.block_id] = (NULL_BLOCK_OWNER, 0, 0)
-        for mgr in self.managers:
-            for rid, blocks in mgr.req_to_blocks.items():
-                n = num_tokens.get(rid, 0)
-                end = (final_tokens or {}).get(rid, len(blocks) * bs)
-                for i, blk in enumerate(blocks):
-                    if blk.is_null:
-                        continue
-                    filled = max(0, min(bs, n - i * bs))
-                    owner[blk.block_id] = (rid, filled, max(0, min(bs, end - i * bs) - filled))
-        return owner
 
 
 def is_hybrid(groups: list[KVCacheGroupSpec]) -> bool:

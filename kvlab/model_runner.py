@@ -35,6 +35,11 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.attn_backend = model.attn_backend
+        # Each KV cache group's sliding window (None: full attention), read once from the
+        # model's layers (the engine has grouped them before the runner exists).
+        windows = {g: model.sliding_window if kind == "sliding_attention" else None
+                   for g, kind in zip(model.layer_group, model.layer_types)}
+        self.group_windows = [windows[g] for g in sorted(windows)]
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         # (layers, 2, blocks, block_size, Hkv, D): K and V of one token in one layer, as
@@ -63,7 +68,7 @@ class ModelRunner:
             positions += range(start, end)
             spans.append((request.request_id, start, end))
         first = next(iter(sched.block_ids.values()), [])
-        windows = self.model_windows()
+        windows = self.group_windows
         if isinstance(first, tuple):  # one block table per group
             metas = [self._group_metadata(sched, spans, g, window)
                      for g, window in enumerate(windows)]
@@ -83,14 +88,6 @@ class ModelRunner:
             dtype=self.kv_cache.dtype, sliding_window=window))
             for g, (_, query_start_loc, seq_lens, tables, window) in enumerate(metas)]
         return ids, pos, (built if isinstance(first, tuple) else built[0])
-
-    def model_windows(self) -> list[int | None]:
-        """Each KV cache group's sliding window (None: full attention), from the model's layers."""
-        m = self.model
-        windows: dict[int, int | None] = {}
-        for i, kind in enumerate(m.layer_types):
-            windows[m.layer_group[i]] = m.sliding_window if kind == "sliding_attention" else None
-        return [windows[g] for g in sorted(windows)]
 
     def _group_metadata(self, sched: SchedulerOutput, spans, group: int | None,
                         window: int | None):
