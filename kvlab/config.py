@@ -211,6 +211,15 @@ class EngineConfig:
     # group are keyed for the prefix cache. 0: only the windows a later request can resume
     # from; None: every full block (kvlab/kv_cache_coordinator.py).
     prefix_cache_retention_interval: int | None = 0
+    # Chapter 10, vLLM 0.33.0's names (vllm/config/cache.py, vllm/config/kv_transfer.py).
+    # kv_offloading_size: a second KV tier of this many GiB behind the pool (None: none), run
+    # by kv_offloading_backend "native" (vLLM's OffloadingConnector; "lmcache" is refused
+    # here). kv_transfer_config: a connector named outright (a KVTransferConfig or a dict of
+    # its fields, as `--kv-transfer-config` takes JSON), e.g. the ExampleConnector two
+    # engines share for disaggregated prefill. kvlab/kv_transfer/ has both.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_transfer_config: object | None = None
     # Set by `resolve()` on the config it returns: the derived knobs are filled in, and
     # kv_cache_tokens may come from kv_cache_memory_bytes (a conflict only when both are given).
     _resolved: bool = dataclasses.field(default=False, repr=False)
@@ -257,6 +266,12 @@ class EngineConfig:
                 f"prefix_cache_retention_interval={self.prefix_cache_retention_interval!r}: kvlab "
                 "runs 0 (vLLM's default: keep only the windows a request can resume from) and "
                 "None (key every full block)")
+        from kvlab.kv_transfer.config import offloading_transfer_config
+
+        transfer = offloading_transfer_config(self.kv_offloading_size, self.kv_offloading_backend,
+                                              self.kv_transfer_config)
+        if transfer is not None and self.kv_layout != "paged":
+            raise ValueError("a KV connector moves blocks: it needs kv_layout='paged'")
         if self.enable_prefix_caching is None:  # vLLM's default where a block can be shared
             self.enable_prefix_caching = self.kv_layout == "paged"
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
@@ -289,6 +304,15 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
                 f"or equal to max_num_seqs ({self.max_num_seqs}).")
+
+    @property
+    def resolved_kv_transfer_config(self):
+        """The connector this config runs (kvlab.kv_transfer.KVTransferConfig), or None: the
+        offloading knobs turned into one as vLLM's VllmConfig does."""
+        from kvlab.kv_transfer.config import offloading_transfer_config
+
+        return offloading_transfer_config(self.kv_offloading_size, self.kv_offloading_backend,
+                                          self.kv_transfer_config)
 
     def resolve(self, model_max_len: int, default_kv_tokens: int,
                 kv_bytes_per_token: int | None = None) -> EngineConfig:

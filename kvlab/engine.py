@@ -30,6 +30,8 @@ from kvlab.kv_cache_coordinator import HybridKVCacheManager, is_hybrid
 from kvlab.kv_cache_interface import (bytes_per_block, capacity_line, get_kv_cache_groups,
                                       layer_specs)
 from kvlab.kv_quant import check_float_kv_cache_dtype, get_kv_cache_dtype
+from kvlab.kv_transfer import KVConnectorRole, create_connector
+from kvlab.kv_transfer.tier import block_nbytes
 from kvlab.metrics import RequestMetrics
 from kvlab.model import Transformer, load_model
 from kvlab.attention import get_attention_backend
@@ -81,6 +83,20 @@ def check_hybrid_config(config: EngineConfig, kv_dtype_is_identity: bool) -> Non
     if refused:
         raise ValueError("this model has sliding-window layers; kvlab runs them without "
                          + ", ".join(refused))
+
+
+def check_connector_config(config: EngineConfig, is_hybrid: bool,
+                           kv_dtype_is_identity: bool) -> None:
+    """What a KV connector cannot run with here, refused before any pool or file exists."""
+    if is_hybrid:
+        raise ValueError("a KV connector on a hybrid model (chapter 09's windows): kvlab's "
+                         "connectors move one KV cache group; drop hf_overrides or the tier")
+    if not kv_dtype_is_identity:
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} with a KV connector: "
+                         "kvlab's connectors move unquantized blocks; use 'auto'")
+    if config.parallel_sampling == "fork":
+        raise ValueError("parallel_sampling='fork' with a KV connector: forked samples are "
+                         "never looked up; use 'child_requests' (vLLM's)")
 
 
 def get_scheduler_cls(config: EngineConfig) -> type[Scheduler]:
@@ -157,9 +173,15 @@ class LLMEngine:
                 prefix_cache_retention_interval=config.prefix_cache_retention_interval)
         else:
             self.kv_cache_manager = make_kv_cache_manager(config, enable_kv_cache_events=True)
+        # A connector keys blocks by the prefix cache's keys, with prefix caching or without
+        # (vLLM hashes blocks when either is on).
+        transfer = config.resolved_kv_transfer_config
+        if transfer is not None:
+            check_connector_config(config, self.is_hybrid,
+                                   self.kv_cache_dtype.is_identity(self.dtype))
         self.block_hasher = (get_request_block_hasher(config.block_size,
                                                       config.prefix_caching_hash_algo)
-                             if config.enable_prefix_caching else None)
+                             if config.enable_prefix_caching or transfer is not None else None)
         self.kv_cache = allocate_kv_cache(
             num_layer_slots, num_blocks, config.block_size,
             self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
@@ -172,6 +194,19 @@ class LLMEngine:
         # random state, so two engines in one notebook never disturb each other.
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device,
                                         Sampler(self.device, config.seed))
+        # Chapter 10: a KV connector, one instance per role as vLLM builds them; only the
+        # per-step metadata passes from the scheduler's to the worker's.
+        self.kv_connector = None
+        if transfer is not None:
+            block_bytes = block_nbytes(self.kv_cache)
+            self.kv_connector = create_connector(transfer, KVConnectorRole.SCHEDULER,
+                                                 config.block_size, block_bytes)
+            worker = create_connector(transfer, KVConnectorRole.WORKER, config.block_size,
+                                      block_bytes)
+            worker.register_kv_caches(self.kv_cache)
+            self.scheduler.connector = self.kv_connector
+            self.scheduler.kv_load_failure_policy = transfer.kv_load_failure_policy
+            self.model_runner.kv_connector = worker
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}  # every sample of an unfinished request
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
@@ -403,7 +438,7 @@ class LLMEngine:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self._notify("on_schedule", scheduler_output)
-        if not scheduler_output.scheduled:
+        if not scheduler_output.has_work:
             self.drain_kv_events()
             return False
         model_output = self._execute_model(scheduler_output)
@@ -469,6 +504,14 @@ class LLMEngine:
         for request, _ in sched.scheduled:
             self.kv_cache_manager.uncache_unwritten_blocks(
                 request, sched.num_computed_tokens[request.request_id])
+        # Chapter 10: the connector's report of the failed step (its loads done, its stores
+        # not made), so no request waits forever for a load and no unwritten block is offered.
+        report, self.model_runner.failed_step_connector_output = (
+            self.model_runner.failed_step_connector_output, None)
+        if report is not None and self.scheduler.connector is not None:
+            for r in self.scheduler._update_from_kv_xfer_finished(report):
+                if r.parent_id in self.parents:
+                    self._end(r.parent_id, "error")
         failed = list(dict.fromkeys(r.parent_id for r, _ in sched.scheduled))
         for rid in failed:
             if rid in self.beam_groups:
@@ -548,7 +591,30 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_kv_cache_groups": len(self.kv_cache_groups),
+            **self.kv_connector_stats(),
         }
+
+    def kv_connector_stats(self) -> dict:
+        """The KV connector's counters (chapter 10), under vLLM's metric names less the
+        `vllm:` prefix; zeros without a connector. external_prefix_cache_*: prompt tokens
+        past the pool's hit, and those the connector supplied, at first admissions (vLLM's
+        connector PrefixCacheStats). kv_offload_*: blocks and bytes moved and seconds spent,
+        stores dropped for want of room (allocation failures), loads that failed."""
+        sched, conn = self.scheduler, self.kv_connector
+        stats = {
+            "external_prefix_cache_queries": sched.external_prefix_cache_queries,
+            "external_prefix_cache_hits": sched.external_prefix_cache_hits,
+            "external_prefix_cache_preempted_queries":
+                sched.external_prefix_cache_preempted_queries,
+            "external_prefix_cache_preempted_hits": sched.external_prefix_cache_preempted_hits,
+            "kv_load_failures": sched.num_kv_load_failures,
+        }
+        for name in ("load_bytes", "load_time", "store_bytes", "store_time"):
+            stats[f"kv_offload_{name}"] = getattr(conn, name, 0)
+        stats["kv_offload_allocation_failure"] = getattr(conn, "num_allocation_failures", 0)
+        stats["kv_offload_tier_blocks"] = getattr(conn, "num_slots", 0)
+        stats["kv_offload_tier_blocks_used"] = getattr(conn, "num_tier_blocks_used", 0)
+        return stats
 
 
 def _priority_to_seq(priority, num_prompts: int) -> list[int]:
@@ -605,6 +671,9 @@ class LLM:
         debug_checks: bool = False,
         hf_overrides: dict | None = None,
         prefix_cache_retention_interval: int | None = 0,
+        kv_offloading_size: float | None = None,
+        kv_offloading_backend: str = "native",
+        kv_transfer_config=None,
     ) -> None:
         # vLLM's LLM and EngineArgs call the policy `scheduling_policy`, its SchedulerConfig
         # `policy` (vllm/engine/arg_utils.py): either name works here.
@@ -630,6 +699,8 @@ class LLM:
             async_scheduling=async_scheduling, debug_checks=debug_checks,
             hf_overrides=hf_overrides,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
+            kv_transfer_config=kv_transfer_config,
         )
         self.llm_engine = LLMEngine(config)
         self.request_counter = 0

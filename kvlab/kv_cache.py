@@ -105,6 +105,9 @@ class KVCacheManager:
         self.num_cow_copies = 0
         # False turns fork into a full copy: the baseline chapter 02 measures sharing against.
         self.share_blocks = True
+        # Chapter 10: blocks held back for requests waiting on a KV connector's load, set by the
+        # scheduler around a waiting request's admission (0 otherwise).
+        self.reserved_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -116,7 +119,8 @@ class KVCacheManager:
     def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] = (), request=None, *,
                        full_sequence_must_fit: bool = False,
-                       has_scheduled_reqs: bool = True) -> bool:
+                       has_scheduled_reqs: bool = True,
+                       delay_cache_blocks: bool = False) -> bool:
         """Make the request's block table cover its first `num_tokens` tokens, ready for the
         tokens from `num_computed_tokens` on to be written.
 
@@ -132,7 +136,9 @@ class KVCacheManager:
         copied to a fresh block: copy-on-write (chapter 02). With prefix caching, the blocks
         that this step fills are keyed here, before the forward, as vLLM's allocate_slots does
         (`cache_blocks`): a request scheduled later in the same step already finds them, since
-        every layer writes the step's K/V before any sequence attends.
+        every layer writes the step's K/V before any sequence attends. `delay_cache_blocks`
+        (vLLM's name): key nothing now, because a KV connector is still loading these blocks
+        (chapter 10); the scheduler keys them when the load is done.
         """
         blocks = self.req_to_blocks.get(request_id, [])
         num_new = self.num_blocks_for(num_tokens) - len(blocks) - len(new_computed_blocks)
@@ -158,7 +164,7 @@ class KVCacheManager:
         if num_new > 0:
             blocks.extend(self.block_pool.get_new_blocks(num_new))
         self.req_to_blocks[request_id] = blocks
-        if request is not None:
+        if request is not None and not delay_cache_blocks:
             self.cache_blocks(request, num_tokens)
         self._note_peak()
         return True
@@ -173,6 +179,7 @@ class KVCacheManager:
         need = max(self.num_blocks_for(num_tokens) - have, 0) + num_copies
         need += sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
         need += self._watermark_for(request, has_scheduled_reqs)
+        need += getattr(self, "reserved_blocks", 0)
         return need <= self.block_pool.get_num_free_blocks()
 
     def _watermark_for(self, request, has_scheduled_reqs: bool) -> int:

@@ -53,6 +53,9 @@ class ModelRunner:
         # is scheduled before the engine has appended them, so a decode's input token comes
         # from here (vLLM's runner keeps the previous step's sampled ids on the device).
         self.last_sampled: dict[str, int] = {}
+        # Chapter 10: the KV connector's worker side (kvlab/kv_transfer/); None without one.
+        self.kv_connector = None
+        self.failed_step_connector_output = None  # what a step whose forward raised reported
 
     def prepare(self, sched: SchedulerOutput):
         """Flat input ids, positions and the backend's attention metadata for one step: one
@@ -154,7 +157,32 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: copies, forward, logits of the sequences that reached their end,
         sampling. A request in the middle of a chunked prompt gets no token: its last computed
-        position is not the end of its sequence, so there is nothing to predict yet."""
+        position is not the end of its sequence, so there is nothing to predict yet.
+
+        With a KV connector (chapter 10), in vLLM's order
+        (vllm/v1/worker/kv_connector_model_runner_mixin.py): its loads before the forward, its
+        stores after, then what finished; a step with no tokens only loads and stores."""
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute(sched)
+        # Loads go into blocks allocated for them alone, which no copy touches.
+        connector.bind_connector_metadata(sched.kv_connector_metadata)
+        connector.start_load_kv()
+        try:
+            output = self._execute(sched) if sched.scheduled else ModelRunnerOutput()
+        except BaseException:
+            # The loads happened; the stores' K/V are incomplete. The engine hands this report
+            # to the scheduler with the failed step (LLMEngine._fail_step).
+            connector.fail_saves()
+            self.failed_step_connector_output = connector.get_finished()
+            connector.clear_connector_metadata()
+            raise
+        connector.wait_for_save()
+        output.kv_connector_output = connector.get_finished()
+        connector.clear_connector_metadata()
+        return output
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.copy_blocks(sched.fork_copies)
         self.copy_blocks(sched.cow_copies)
         ids, pos, meta = self.prepare(sched)

@@ -55,3 +55,5 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # What the KV connector's worker side reported for the step (chapter 10); None without one.
+    kv_connector_output: object | None = None

@@ -30,6 +30,9 @@ class RequestStatus(enum.Enum):
     # Its blocks were taken back to make room (chapter 03); it waits at the head of the queue
     # and recomputes its prompt and output so far when re-admitted.
     PREEMPTED = "preempted"
+    # Admitted with blocks for K/V a KV connector is loading (chapter 10): it stays in the
+    # waiting queue, skipped, until the worker reports the load done (vLLM's state).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 
 

@@ -84,6 +84,15 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     num_decode_tokens: int = 0  # one per request that was generating
     total_num_scheduled_tokens: int = 0  # prefill (prompt, chunk or recompute) + decode
+    # The KV connector's loads and stores for this step (chapter 10; vLLM's
+    # SchedulerOutput.kv_connector_metadata); None without a connector.
+    kv_connector_metadata: object | None = None
+
+    @property
+    def has_work(self) -> bool:
+        """Something for the model runner: tokens to compute, or a connector's loads and
+        stores (a step may only load, while every request waits for its K/V)."""
+        return bool(self.scheduled or self.kv_connector_metadata)
 
 
 class Scheduler:
@@ -97,6 +106,20 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: under "fcfs" the newest goes first
         self.num_preemptions = 0
         self._long_prefill_cap = 0  # this step's long_prefill_token_threshold; 0: no cap
+        # Chapter 10: the KV connector's scheduler side (kvlab/kv_transfer/), set by the engine
+        # when it runs one. Requests whose load the worker reported done, or failed.
+        self.connector = None
+        self.kv_load_failure_policy = "fail"
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        # vLLM's connector PrefixCacheStats (vllm/v1/core/sched/scheduler.py): per admission
+        # that asked the connector, the prompt tokens past the pool's hit (queries) and those
+        # the connector supplied (hits); re-admissions after a preemption apart.
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        self.external_prefix_cache_preempted_queries = 0
+        self.external_prefix_cache_preempted_hits = 0
+        self.num_kv_load_failures = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.add_request(request)
@@ -156,6 +179,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._before_finish(out)
         self.finish_output(out)
+        if self.connector is not None:  # once per step, after the step is decided (vLLM)
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._update_after_schedule(out)
         # vLLM asserts these where it decides the step (end of Scheduler.schedule).
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, (
@@ -272,6 +297,10 @@ class Scheduler:
         skipped: deque[Request] = deque()
         while self.waiting and budget > 0:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._update_waiting_for_remote_kv(request):
+                    skipped.appendleft(self.waiting.pop_request())  # its load is not done
+                    continue
             if request.num_stale_output_tokens > 0 and not request.drop_stale_output:
                 # Its step in flight still delivers a token: resuming it first would sample
                 # that position again (vLLM skips it, ahead of the queue, until it drains).
@@ -290,22 +319,55 @@ class Scheduler:
                       and not request.sampling_params.skip_reading_prefix_cache)
             if lookup:
                 hits, num_hit = kv.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + num_hit
-            num_new = self._num_new_tokens(request, budget, num_computed)
-            if num_new == 0:
+            # Chapter 10: after the pool's hit, the KV connector's (a second tier, or another
+            # engine's prefill): tokens it can load past that hit, into blocks allocated now.
+            num_external = 0
+            if lookup and self.connector is not None:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit)
+                if num_external is None:  # the connector cannot tell yet: ask next step
+                    skipped.appendleft(self.waiting.pop_request())
+                    continue
+            num_computed = request.num_computed_tokens + num_hit + num_external
+            # kvlab runs every external load asynchronously (vLLM's offloading and NIXL
+            # connectors do): this step computes nothing for the request, and it waits in
+            # WAITING_FOR_REMOTE_KVS until the load is done.
+            num_new = 0 if num_external else self._num_new_tokens(request, budget, num_computed)
+            if num_new == 0 and not num_external:
                 break
             # scheduler_reserve_full_isl: the whole prompt must fit now, not only this chunk.
-            if not kv.allocate_slots(request.request_id, num_computed + num_new, num_computed,
-                                     hits, request=request,
-                                     full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
-                                     has_scheduled_reqs=bool(self.running)):
+            # (delay_cache_blocks is passed only with a connector's load: a manager class of
+            # an earlier chapter's exercise need not know it.)
+            delay = {"delay_cache_blocks": True} if num_external else {}
+            if self.connector is not None:
+                # Blocks the other requests waiting for a load still need to start: nobody
+                # else may take them, or two loads could each hold what the other waits for
+                # (vLLM: _inflight_prefill_reserved_blocks).
+                kv.reserved_blocks = self._blocks_reserved_for_loads(
+                    request, [*self.waiting, *skipped])
+            admitted = kv.allocate_slots(
+                request.request_id, num_computed + num_new, num_computed, hits, request=request,
+                full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
+                has_scheduled_reqs=bool(self.running), **delay)
+            if self.connector is not None:
+                kv.reserved_blocks = 0
+            if not admitted:
                 break  # nobody overtakes the head of the queue
             if lookup:
                 kv.record_prefix_cache_stats(request, num_hit)
             if request.num_computed_tokens == 0:
                 if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_hit
+                    request.num_cached_tokens = num_hit + num_external
+            if lookup and self.connector is not None:
+                self._record_external_stats(request, request.num_tokens - num_hit, num_external)
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_external)
             request.num_computed_tokens = num_computed
+            if num_external:
+                # Blocks held, K/V on its way: out of the queue's way until the load is done.
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                skipped.appendleft(self.waiting.pop_request())
+                continue
             self.waiting.pop_request()
             if request.status == RequestStatus.PREEMPTED:
                 out.resumed_req_ids.add(request.request_id)
@@ -320,6 +382,72 @@ class Scheduler:
             self._on_scheduled(request, num_new, out)
         if skipped:  # back at the head of the queue, in their order
             self.waiting.prepend_requests(skipped)
+
+    def _blocks_reserved_for_loads(self, request: Request, waiting) -> int:
+        """The blocks the requests waiting for a connector's load (other than `request`) still
+        need before their prompt can run: their whole prompt, less what they hold."""
+        kv, reserved = self.kv_cache_manager, 0
+        for r in waiting:
+            if r is request or r.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            need = kv.num_blocks_for(min(r.num_tokens, self.config.max_model_len))
+            reserved += max(0, need - len(kv.get_block_ids(r.request_id)))
+        return reserved
+
+    def _record_external_stats(self, request: Request, queries: int, hits: int) -> None:
+        if request.num_preemptions > 0:
+            self.external_prefix_cache_preempted_queries += queries
+            self.external_prefix_cache_preempted_hits += hits
+        else:
+            self.external_prefix_cache_queries += queries
+            self.external_prefix_cache_hits += hits
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
+        """A request waiting for a connector's load (vLLM: _handle_blocked_waiting_request and
+        _update_waiting_for_remote_kv). False while the load is not done. Once done, its blocks
+        are keyed for the prefix cache, as any computed block is; a load that covered the
+        whole sequence leaves its last token to compute, for the logits. After a failed load
+        (kv_load_failure_policy "recompute") it gives its blocks back and starts over: the
+        lookup runs again, and the connector no longer offers what failed."""
+        rid = request.request_id
+        if rid in self.failed_recving_kv_req_ids:
+            self.failed_recving_kv_req_ids.discard(rid)
+            self.kv_cache_manager.free(rid)
+            request.num_computed_tokens = 0
+        elif rid in self.finished_recving_kv_req_ids:
+            self.finished_recving_kv_req_ids.discard(rid)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_computed_tokens = request.num_tokens - 1
+        else:
+            return False
+        request.status = (RequestStatus.PREEMPTED if request.num_preemptions
+                          else RequestStatus.WAITING)
+        return True
+
+    def _update_from_kv_xfer_finished(self, output) -> list[Request]:
+        """The worker's connector report for a step being read: loads done, or failed. A failed
+        load ends its request with an error under vLLM's default policy ("fail"); under
+        "recompute" the request computes what did not arrive. Either way it is counted.
+        Returns the requests ended."""
+        self.connector.update_connector_output(output)
+        loading = {r.request_id for r in self.waiting
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+        # A request aborted during its load is gone: its id is not kept (vLLM's check).
+        self.finished_recving_kv_req_ids |= output.finished_recving & loading
+        ended = []
+        for rid in output.failed_recving:
+            self.num_kv_load_failures += 1
+            request = next((r for r in self.waiting if r.request_id == rid), None)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # aborted meanwhile
+            if self.kv_load_failure_policy == "recompute":
+                self.failed_recving_kv_req_ids.add(rid)
+            else:
+                self.finish_request(request, "error")
+                request.metrics.finished_time = time.perf_counter()
+                ended.append(request)
+        return ended
 
     def finish_output(self, out: SchedulerOutput) -> None:
         """Fill in what the model runner reads besides the (request, tokens) pairs."""
@@ -371,6 +499,8 @@ class Scheduler:
         stops, and free what finished. Returns the requests that received a token."""
         now = time.perf_counter()
         touched: list[Request] = []
+        if output.kv_connector_output is not None and self.connector is not None:
+            touched += self._update_from_kv_xfer_finished(output.kv_connector_output)
         for request, num_new in sched.scheduled:
             stale = self._settle_in_flight(request, num_new,
                                            request.request_id in output.sampled_token_ids)
@@ -420,6 +550,11 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove_request(request)
+        if self.connector is not None:  # before its blocks go (vLLM: _free_request)
+            self.connector.request_finished(request,
+                                            self.kv_cache_manager.get_block_ids(request.request_id))
+            self.finished_recving_kv_req_ids.discard(request.request_id)
+            self.failed_recving_kv_req_ids.discard(request.request_id)
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 from collections.abc import Mapping
 
-from kvlab.config import BACKENDS
+from kvlab.config import BACKENDS, EngineConfig
 from kvlab.kv_quant import KV_CACHE_DTYPES
+from kvlab.kv_transfer.config import OFFLOADING_BACKENDS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,6 +57,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-overrides", type=json_dict, default=None, metavar="JSON",
                    help='e.g. \'{"layer_types": [...], "sliding_window": 128}\'')
     p.add_argument("--prefix-cache-retention-interval", type=int_or_none, default=0)
+    # Chapter 10, vLLM 0.33.0's flags (vllm/config/cache.py, vllm/config/kv_transfer.py,
+    # vllm/engine/arg_utils.py): a second KV tier of this many GiB behind the pool, run by the
+    # "native" backend (vLLM's OffloadingConnector; "lmcache" needs LMCache's server and is
+    # refused at start), or a connector named outright as JSON (vLLM's KVTransferConfig fields
+    # that kvlab reads: kv_connector, kv_role, kv_connector_extra_config,
+    # kv_load_failure_policy). Numbers in that JSON may carry vLLM's suffixes: 80m, 2G.
+    p.add_argument("--kv-offloading-size", type=gib, default=None, metavar="GIB",
+                   help="size of the KV offloading tier in GiB (default: no offloading)")
+    p.add_argument("--kv-offloading-backend", choices=OFFLOADING_BACKENDS, default="native",
+                   help="the backend that runs the tier, once --kv-offloading-size is set "
+                        "(kvlab runs 'native')")
+    p.add_argument("--kv-transfer-config", type=json_config, default=None, metavar="JSON",
+                   help='e.g. \'{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+                        '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\'')
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     # vLLM 0.33.0's default loop (vllm/config/scheduler.py, vllm/config/vllm.py): schedule the
     # next step before reading this one's tokens. --no-async-scheduling: the synchronous loop.
@@ -125,7 +142,74 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "long_prefill_token_threshold_adaptive": args.long_prefill_token_threshold_adaptive,
             "backend": args.attention_backend, "enforce_eager": args.enforce_eager,
             "hf_overrides": args.hf_overrides,
-            "prefix_cache_retention_interval": args.prefix_cache_retention_interval}
+            "prefix_cache_retention_interval": args.prefix_cache_retention_interval,
+            "kv_offloading_size": args.kv_offloading_size,
+            "kv_offloading_backend": args.kv_offloading_backend,
+            "kv_transfer_config": args.kv_transfer_config}
+
+
+def checked_engine_kwargs(args: argparse.Namespace) -> dict:
+    """`engine_kwargs(args)`, checked as `LLM(...)` checks them (its `EngineConfig`) before any
+    model is loaded. Raises ValueError naming the flags (--kv-offloading-size, not the knob
+    kv_offloading_size) on a bad value or a bad combination."""
+    kwargs = engine_kwargs(args)
+    try:
+        EngineConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(flag_message(str(e), args)) from None
+    return kwargs
+
+
+def flag_message(message: str, args: argparse.Namespace) -> str:
+    """An engine error in the command line's words: each knob a flag sets named as that flag;
+    an error inside --kv-transfer-config's JSON (a field of it) prefixed with the flag."""
+    dests = {action.dest: action.option_strings[-1] for action in _serve_actions()
+             if action.option_strings and "_" in action.dest}
+    renamed = re.sub(r"\b(" + "|".join(map(re.escape, dests)) + r")\b",
+                     lambda m: dests[m.group(1)], message)
+    if renamed == message and args.kv_transfer_config is not None and re.search(
+            r"\bkv_(connector|role|load_failure_policy)", message):
+        renamed = f"--kv-transfer-config: {message}"
+    return renamed
+
+
+def _serve_actions():
+    serve = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return serve.choices["serve"]._actions
+
+
+def gib(text: str) -> float:
+    """--kv-offloading-size: a size in GiB, > 0 and finite (vLLM's type is float)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size in GiB, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"a size in GiB, > 0, got {text!r}")
+    return value
+
+
+def json_config(text: str) -> dict:
+    """A config flag's JSON object, as vLLM parses --kv-transfer-config
+    (`_expand_json_human_readable_numbers`, vllm/engine/arg_utils.py): outside the strings a
+    bare number may end in k, m, g, t (powers of 1000) or K, M, G, T (powers of 1024)."""
+    parts = re.split(r'("(?:[^"\\]|\\.)*")', text)
+    for i in range(0, len(parts), 2):  # even indices: outside the strings
+        parts[i] = re.sub(r"\b\d+(?:\.\d+)?[kKmMgGtT]\b",
+                          lambda m: str(human_readable_int(m.group())), parts[i])
+    return json_dict("".join(parts))
+
+
+def human_readable_int(text: str) -> int:
+    """'80m' -> 80_000_000, '2G' -> 2 * 2**30 (vllm/utils/argparse_utils.py)."""
+    number, suffix = text[:-1], text[-1]
+    if suffix in "kmgt":
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"Decimals are not allowed with binary suffixes like {suffix}. Did you mean to "
+            f"use {number}{suffix.lower()} instead?")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
 
 
 def json_dict(text: str) -> dict:
@@ -186,13 +270,19 @@ def main(argv=None) -> None:
     args = top.parse_args(argv)
     try:
         app_kwargs = server_kwargs(args)
+        llm_kwargs = checked_engine_kwargs(args)  # every knob checked before the model loads
     except (OSError, ValueError) as e:
         top.error(str(e))
 
     from kvlab.engine import LLM
     from kvlab.serve.api_server import serve
 
-    llm = LLM(**engine_kwargs(args))
+    try:
+        llm = LLM(**llm_kwargs)
+    except ValueError as e:
+        # What only the loaded model can refuse (a KV connector with a hybrid model or a
+        # quantized --kv-cache-dtype, say), in the flags' words as well.
+        top.error(flag_message(str(e), args))
     # What vLLM logs once the pool is sized (vllm/v1/core/kv_cache_utils.py).
     print(llm.llm_engine.kv_cache_capacity()["line"], flush=True)
     serve(llm, args.host, args.port, **app_kwargs)

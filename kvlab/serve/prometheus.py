@@ -28,6 +28,11 @@ count a request its client aborted in the per-request families either). vLLM's
 kvlab's counts the tokens each step's forward ran (a chunk of a prompt where it ran). kvlab-only
 values keep the `kvlab:` prefix (the re-admitted preempted requests' prefix-cache counters and
 the pool's block counts, which vLLM reports only as the usage fraction).
+
+Chapter 10's KV connectors (`--kv-offloading-size`, `--kv-transfer-config`) add vLLM's
+`vllm:external_prefix_cache_queries` and `_hits` (on every server, as vLLM's, at 0 without a
+connector) and, with the offloading connector, its `vllm:kv_offload_*` counters: see
+`_EngineState._connector_families`.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class _EngineState:
 
     def __init__(self, llm, labels: dict[str, str]) -> None:
         self.llm, self.labels = llm, labels
+        transfer = llm.llm_engine.config.resolved_kv_transfer_config
+        self.kv_connector = transfer.kv_connector if transfer is not None else None
 
     def collect(self):
         s = self.llm.stats()
@@ -140,6 +147,83 @@ class _EngineState:
                       s["prefix_cache_preempted_hits"])
         yield gauge("kvlab:num_used_blocks", "KV blocks in use", s["num_used_blocks"])
         yield gauge("kvlab:num_blocks", "KV blocks in the pool", s["num_blocks"])
+        yield from self._connector_families(s, counter, gauge)
+
+    def _connector_families(self, s: dict, counter, gauge):
+        """Chapter 10: the KV connector's families, from `LLMEngine.kv_connector_stats()`.
+
+        vllm:external_prefix_cache_* are vLLM's PrometheusStatLogger counters
+        (vllm/v1/metrics/loggers.py), which it registers on every server, a connector or not,
+        with a series per engine from the start: at 0 here too when no connector runs. Like
+        vLLM's connector PrefixCacheStats they count first admissions only (a request's prompt
+        tokens past the pool's hit, and those the connector supplied); re-admitted preempted
+        requests are counted apart, kvlab-only, as for the pool's own counters.
+
+        vllm:kv_offload_* are the OffloadingConnector's own families (OffloadPromMetrics,
+        vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py), there only when it
+        runs. The five mirrored here are counters in vLLM too (its OffloadingCounterMetadata),
+        fed with each transfer's bytes and seconds; kvlab's connector keeps only the running
+        totals, which a counter reads the same. vLLM creates a series at the first transfer,
+        kvlab's are at 0 from the start. Not mirrored: the per-transfer size histograms
+        (vllm:kv_offload_load_size, vllm:kv_offload_store_size: kvlab records no transfer's
+        own size), the lookup-delay histograms and vllm:kv_offload_config_info.
+        vLLM 0.33.0 also still feeds its deprecated vllm:kv_offload_total_bytes and
+        vllm:kv_offload_total_time (label transfer_type, CPU_to_GPU a load, GPU_to_CPU a store)
+        for its CPU tier, which the native backend runs: mirrored, from the same totals."""
+        yield counter("vllm:external_prefix_cache_queries",
+                      "External prefix cache queries from KV connector cross-instance cache "
+                      "sharing, in terms of number of queried tokens.",
+                      s["external_prefix_cache_queries"])
+        yield counter("vllm:external_prefix_cache_hits",
+                      "External prefix cache hits from KV connector cross-instance cache "
+                      "sharing, in terms of number of cached tokens.",
+                      s["external_prefix_cache_hits"])
+        yield counter("kvlab:external_prefix_cache_preempted_queries",
+                      "Prompt tokens past the pool's hit looked up in the KV connector by "
+                      "re-admitted preempted requests",
+                      s["external_prefix_cache_preempted_queries"])
+        yield counter("kvlab:external_prefix_cache_preempted_hits",
+                      "Prompt tokens the KV connector supplied to re-admitted preempted requests",
+                      s["external_prefix_cache_preempted_hits"])
+        if self.kv_connector is None:
+            return
+        # vLLM logs a failed load and ends the request (finish_reason "error") or recomputes,
+        # by kv_load_failure_policy; it exports no count of them.
+        yield counter("kvlab:kv_load_failures",
+                      "KV connector loads that failed (the request then failed or recomputed, "
+                      "by kv_load_failure_policy)", s["kv_load_failures"])
+        if self.kv_connector != "OffloadingConnector":
+            return
+        yield counter("vllm:kv_offload_load_bytes",
+                      "Total bytes loaded from offload storage to GPU.",
+                      s["kv_offload_load_bytes"])
+        yield counter("vllm:kv_offload_load_time",
+                      "Total load time from offload storage to GPU, in seconds.",
+                      s["kv_offload_load_time"])
+        yield counter("vllm:kv_offload_store_bytes",
+                      "Total bytes stored from GPU to offload storage.",
+                      s["kv_offload_store_bytes"])
+        yield counter("vllm:kv_offload_store_time",
+                      "Total store time from GPU to offload storage, in seconds.",
+                      s["kv_offload_store_time"])
+        yield counter("vllm:kv_offload_allocation_failure",
+                      "Number of KV offload store allocation attempts that failed.",
+                      s["kv_offload_allocation_failure"])
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, key in (
+                ("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
+                 "bytes"),
+                ("vllm:kv_offload_total_time", "Total time measured by all KV offloading "
+                 "operations", "time")):
+            family = CounterMetricFamily(name, doc, labels=[*names, "transfer_type"])
+            family.add_metric([*values, "CPU_to_GPU"], s[f"kv_offload_load_{key}"])
+            family.add_metric([*values, "GPU_to_CPU"], s[f"kv_offload_store_{key}"])
+            yield family
+        # kvlab's own: the tier's size and fill, in blocks (vLLM reports neither).
+        yield gauge("kvlab:kv_offload_tier_blocks", "Blocks the KV offloading tier holds at most",
+                    s["kv_offload_tier_blocks"])
+        yield gauge("kvlab:kv_offload_tier_blocks_used", "Blocks in the KV offloading tier",
+                    s["kv_offload_tier_blocks_used"])
 
 
 class ServerMetrics:
@@ -243,7 +327,10 @@ class ServerMetrics:
 
     def observe_step(self, scheduler_output) -> None:
         """One engine step ran the model: the tokens it ran."""
-        if scheduler_output is not None:
+        # A step that only moved a KV connector's blocks (every request waiting for its load)
+        # ran no token: vLLM observes an iteration only when its step had outputs
+        # (IterationStats, vllm/v1/engine/async_llm.py), so it is not observed here either.
+        if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
             self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
 
     def observe_finished(self, samples: list, queued: float, stamps,

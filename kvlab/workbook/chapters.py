@@ -104,6 +104,10 @@ CHAPTERS: tuple[Chapter, ...] = (
             builds={"ch09_sliding_window": ("window_blocks",)},
             challenges={"ch09_hybrid_pool": ("hybrid_pool",)},
             figures=("hybrid_plots",)),
+    Chapter("10", "10_offloading.ipynb",
+            builds={"ch10_offloading": ("tier_hit",)},
+            challenges={"ch10_tier_size": ("tier_size",)},
+            figures=("offload_plots",)),
 )
 
 

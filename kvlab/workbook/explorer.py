@@ -70,7 +70,8 @@ class RequestView:
 @dataclass(frozen=True)
 class Event:
     """Something one step (or the explorer) did. kind: added, admitted, resumed, prefix_hit,
-    forked, preempted, copy_on_write, fork_copy, evicted, cache_cleared, finished, reset."""
+    forked, preempted, copy_on_write, fork_copy, evicted, cache_cleared, finished, reset, and
+    with a KV connector (chapter 10) tier_hit, tier_load, tier_store."""
 
     step: int
     kind: str
@@ -113,6 +114,10 @@ class EngineSnapshot:
     # A hybrid model's KV cache groups, in group order ("window 32", "full attention"); empty
     # for one group. A request's block table is then one list per group.
     groups: list[str] = field(default_factory=list)
+    # A second KV tier (chapter 10): its blocks, and which hold a block now (key hex -> slot);
+    # 0 and empty without one.
+    tier_blocks: int = 0
+    tier_keys: dict[str, int] = field(default_factory=dict)
 
     def count(self, state: str) -> int:
         return sum(1 for b in self.blocks if b.state == state)
@@ -195,6 +200,9 @@ def snapshot(engine, last_scheduler_output=None, previous: EngineSnapshot | None
         colours=colours, num_kv_events=engine.num_kv_events,
         kv_cache_dtype=engine.kv_cache_dtype.name, kv_bytes_per_token=engine.kv_bytes_per_token,
         groups=_group_names(engine),
+        tier_blocks=getattr(engine.kv_connector, "num_slots", 0),
+        tier_keys={_key(k): slot
+                   for k, slot in getattr(engine.kv_connector, "index", {}).items()},
         stats={"num_preemptions": scheduler.num_preemptions, "num_cow_copies": kv.num_cow_copies,
                "prefix_cache_hits": kv.prefix_cache_hits},  # first admissions, as vLLM
     )
@@ -228,14 +236,25 @@ def _step_events(step: int, sched, owners: dict[int, list[str]]) -> list[Event]:
     `owners`: block id -> the requests whose tables hold it."""
     events = [Event(step, "preempted", r.request_id, "its blocks freed; it will recompute")
               for r in sched.preempted]
+    # Chapter 10: a KV connector's loads (into blocks held while the request waits) and stores.
+    meta = sched.kv_connector_metadata
+    for job in (meta.loads if meta else ()):
+        events.append(Event(step, "tier_load", job.req_id,
+                            f"{len(job.block_ids)} blocks loaded into {job.block_ids[:4]}"
+                            + ("..." if len(job.block_ids) > 4 else ""),
+                            num_tokens=len(job.block_ids)))
+    for job in (meta.stores if meta else ()):
+        events.append(Event(step, "tier_store", job.req_id,
+                            f"{len(job.block_ids)} blocks written to the tier"))
     for new in sched.scheduled_new_reqs:
         num_new = sched.num_scheduled_tokens[new.req_id]
         resumed = new.req_id in sched.resumed_req_ids
         events.append(Event(step, "resumed" if resumed else "admitted", new.req_id,
                             f"{num_new} token{'s' * (num_new != 1)} this step"))
         if new.num_computed_tokens > 0:  # the scheduler's prefix-cache hit at admission
+            where = "in the cache" if meta is None else "in the cache or loaded from the tier"
             events.append(Event(step, "prefix_hit", new.req_id,
-                                f"{new.num_computed_tokens} prompt tokens found in the cache",
+                                f"{new.num_computed_tokens} prompt tokens found {where}",
                                 num_tokens=new.num_computed_tokens))
     for parent, children in sched.forked.items():
         events.append(Event(step, "forked", parent,

@@ -240,6 +240,12 @@ def test_metrics_under_vllm_names(served, text_ids):
                       "vllm:kv_block_lifetime_seconds", "vllm:kv_block_idle_before_evict_seconds"):
         assert metric(values, histogram + "_count") > 0, histogram
     assert "vllm:kv_block_reuse_gap_seconds_count" in "".join(values)
+    # vLLM registers its KV connector prefix-cache counters on every server (loggers.py), at 0
+    # without a connector; the offloading connector's own families only where it runs.
+    assert metric(values, "vllm:external_prefix_cache_queries_total") == 0
+    assert metric(values, "vllm:external_prefix_cache_hits_total") == 0
+    assert not any(k.startswith(("vllm:kv_offload", "kvlab:kv_offload", "kvlab:kv_load"))
+                   for k in values)
     labels = next(k for k in values if k.startswith("vllm:num_requests_running"))
     assert f'model_name="{name}"' in labels and 'engine="0"' in labels
 

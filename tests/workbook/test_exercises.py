@@ -296,7 +296,53 @@ def alt_choose_hybrid_pool(num_requests, prompt_len, output_len, block_size, sli
     return blocks * block_bytes
 
 
+def alt_tier_hit(block_keys, num_local_tokens, num_tokens, tier_keys, block_size):
+    """A while loop over block indices."""
+    i = num_local_tokens // block_size
+    while i < num_tokens // block_size and i < len(block_keys) and block_keys[i] in tier_keys:
+        i += 1
+    return (i - num_local_tokens // block_size) * block_size
+
+
+def alt_choose_tier_size(doc_lens, question_len, rounds, block_size, pool_tokens, block_bytes):
+    """Tenant by tenant, the full blocks of one request."""
+    import math
+
+    blocks = 0
+    for doc_len in doc_lens:
+        blocks += math.floor((doc_len + question_len) / block_size)
+    return blocks * block_bytes / 2**30
+
+
+def tier_hit_from_zero(block_keys, num_local_tokens, num_tokens, tier_keys, block_size):
+    """Counts the blocks the pool already found too."""
+    n = 0
+    for key in block_keys[: num_tokens // block_size]:
+        if key not in tier_keys:
+            break
+        n += 1
+    return max(0, n * block_size - num_local_tokens)
+
+
+def tier_hit_all_held(block_keys, num_local_tokens, num_tokens, tier_keys, block_size):
+    """Every held block after the pool's hit, missing ones skipped."""
+    first = num_local_tokens // block_size
+    return sum(block_size for k in block_keys[first : num_tokens // block_size] if k in tier_keys)
+
+
+def tier_hit_pool_cap(block_keys, num_local_tokens, num_tokens, tier_keys, block_size):
+    """The pool's cap (never the block holding the last token)."""
+    first, n = num_local_tokens // block_size, 0
+    for key in block_keys[first : (num_tokens - 1) // block_size]:
+        if key not in tier_keys:
+            break
+        n += 1
+    return n * block_size
+
+
 ALTERNATIVES = {
+    "tier_hit": alt_tier_hit,
+    "tier_size": alt_choose_tier_size,
     "hybrid_pool": alt_choose_hybrid_pool,
     "window_blocks": alt_remove_skipped_blocks,
     "decode_attention": alt_decode_attention,
@@ -598,6 +644,18 @@ def kv_full_precision(num_requests, request_len, block_size, max_kl, kl_by_dtype
 
 
 BUGS = [
+    ("tier_hit", tier_hit_from_zero, "the pool found the first blocks"),
+    ("tier_hit", tier_hit_all_held, "a block missing in the middle"),
+    ("tier_hit", tier_hit_pool_cap, "a prompt of whole blocks"),
+    ("tier_hit", lambda block_keys, num_local_tokens, num_tokens, tier_keys, block_size:
+     len([k for k in block_keys if k in tier_keys]), "every block"),  # blocks, not tokens
+    # Only the documents' blocks: the questions' blocks push them out first.
+    ("tier_size", lambda doc_lens, question_len, rounds, block_size, pool_tokens, block_bytes:
+     sum(d // block_size for d in doc_lens) * block_bytes / 2**30, "documents of [120"),
+    # Every round's blocks: memory that sits idle.
+    ("tier_size", lambda doc_lens, question_len, rounds, block_size, pool_tokens, block_bytes:
+     rounds * sum((d + question_len) // block_size for d in doc_lens) * block_bytes / 2**30,
+     "three other workloads"),
     # The window group counted as a full-attention group: far too many bytes.
     ("hybrid_pool", lambda num_requests, prompt_len, output_len, block_size, sliding_window,
      block_bytes: (num_requests * 2 * -(-(prompt_len + output_len - 1) // block_size) + 1)

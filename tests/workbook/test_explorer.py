@@ -568,3 +568,29 @@ def test_the_picture_reads_on_a_projector():
     height = lambda ax: ax.get_window_extent().height  # noqa: E731
     assert height(budget) < 0.1 * fig.bbox.height
     plt.close(fig)
+
+
+def test_the_explorer_shows_a_tier_and_a_request_waiting_for_its_load(text_ids):
+    """Chapter 10: with a second tier, a request whose prompt the pool lost waits for its
+    load (the queue line says so), the step's load is an event, and the picture's text counts
+    the tier's blocks in use."""
+    llm = LLM(block_size=16, kv_cache_tokens=96, max_model_len=96, kv_offloading_size=0.01)
+    ex = EngineExplorer(llm, max_tokens=2)
+    doc = list(text_ids[:40])
+    ex.add_request(doc)
+    ex.run_to_end()
+    ex.add_request(list(text_ids[50:120]))  # pushes the document out of the pool
+    ex.run_to_end()
+    ex.add_request(doc)
+    snap = ex.step()
+    assert snap.tier_blocks == llm.stats()["kv_offload_tier_blocks"] > 0
+    assert len(snap.tier_keys) == llm.stats()["kv_offload_tier_blocks_used"] > 0
+    assert any(e.kind == "tier_load" for e in snap.events), [str(e) for e in snap.events]
+    assert "waiting for its KV to load" in format_queues(snap)
+    fig = draw_snapshot(snap)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any(t.startswith("tier: ") and f"of {snap.tier_blocks} blocks" in t for t in texts)
+    plt.close(fig)
+    snap = ex.run_to_end()
+    assert not snap.running and not snap.waiting
+    assert_no_blocks_held(llm)

@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 
 import ipywidgets  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
 
 from kvlab.workbook import allocator_sim, viz, widgets  # noqa: E402
 from kvlab.kv_cache import KVCacheManager  # noqa: E402
@@ -462,3 +463,37 @@ def test_hybrid_figure_and_table_read_at_a_glance():
          "steps": 130}])
     head, row = table.splitlines()
     assert "preemptions" in head and "1,032" in row and "4.03x" in row
+
+
+def test_offload_figures_read_at_a_glance():
+    """Chapter 10: the sweep's two panels, the load-against-recompute lines and the pair's
+    timeline each carry a legend of what is drawn and plain numbers on their axes."""
+    rows = [{"tier_blocks": b, "hit_rate": h, "median_ttft_ms": t}
+            for b, h, t in ((0, 0.0, 340.0), (30, 0.0, 330.0), (60, 0.5, 170.0))]
+    fig = viz.plot_tier_sweep(rows, doc_blocks=15)
+    assert len(fig.axes) == 2 and all(ax.get_legend() for ax in fig.axes)
+    assert "a document is 15" in fig.axes[0].get_xlabel()
+    assert_no_text_under({"sweep": fig})
+    plt.close(fig)
+    fig = viz.plot_load_vs_recompute([
+        {"prompt_len": n, "recompute_ttft_ms": n * 1.5, "load_ttft_ms": 40.0 + n / 100}
+        for n in (16, 64, 256, 1024)])
+    ax = fig.axes[0]
+    assert len(ax.get_lines()) == 2 and len(ax.get_legend().get_texts()) == 2
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "64", "256", "1,024"]
+    plt.close(fig)
+    run = {"arrivals": [10.0, 11.0], "token_times": [[10.5, 10.6], [11.4, 11.5, 11.6]]}
+    result = {"one_engine": run, "pair": {"arrivals": [50.0, 51.0],
+                                          "token_times": [[50.9, 51.0], [51.8, 51.9, 52.0]]},
+              "median_ttft_ms": {"one_engine": 450.0, "pair": 850.0},
+              "median_gap_ms": {"one_engine": 100.0, "pair": 100.0},
+              "p99_gap_ms": {"one_engine": 100.0, "pair": 100.0}}
+    fig = viz.plot_pair_timeline(result)
+    # each run from its own first arrival: both start at 0
+    for ax in fig.axes:
+        first = min(line.get_xdata()[0] for line in ax.get_lines())
+        assert first == pytest.approx(0.0)
+    assert fig.axes[0].get_legend() is not None
+    plt.close(fig)
+    table = viz.format_pair(result)
+    assert "850 ms" in table and "one engine (2 cores)" in table

@@ -10,6 +10,7 @@ be drawn in a test without a browser. Each chapter's figures sit where that chap
 - `bench_plots`: chapter 07 and the benchmarks (peers, the roofline sweep, the API run);
 - `precision_plots`: chapter 08 (bytes and accuracy per `kv_cache_dtype`);
 - `hybrid_plots`: chapter 09 (blocks per KV cache group, capacity at the same bytes);
+- `offload_plots`: chapter 10 (a tier's hits by size, load against recompute, the P/D pair);
 - `snapshot`: the engine explorer's picture of one snapshot.
 
 kvlab/workbook/chapters.py names each chapter's modules.
@@ -22,6 +23,8 @@ from kvlab.workbook.viz.bench_plots import plot_api_run, plot_peers, plot_roofli
 from kvlab.workbook.viz.snapshot import (COPY_EDGE, DECODE_COLOUR, MAX_EVENTS_DRAWN, PREFILL_COLOUR,
                                 SHARED_COLOUR, draw_snapshot, format_queues)
 from kvlab.workbook.viz.hybrid_plots import format_capacity, plot_blocks_per_group
+from kvlab.workbook.viz.offload_plots import (format_pair, plot_load_vs_recompute,
+                                              plot_pair_timeline, plot_tier_sweep)
 from kvlab.workbook.viz.memory_plots import (block_size_summary, draw_memory_map, format_block_tables,
                               plot_block_size_tradeoff, plot_blocks_per_step, plot_cow_savings,
                               plot_kv_memory, plot_no_cache, plot_parallel_sampling, plot_sim)
@@ -32,6 +35,7 @@ from kvlab.workbook.viz.scheduling_plots import (plot_capacity, plot_concurrency
 
 __all__ = [
     "format_capacity", "plot_blocks_per_group",
+    "format_pair", "plot_load_vs_recompute", "plot_pair_timeline", "plot_tier_sweep",
     "GIB", "format_bytes", "log_axis",
     "plot_api_run", "plot_peers", "plot_roofline_sweep", "plot_serve_peers",
     "COPY_EDGE", "DECODE_COLOUR", "MAX_EVENTS_DRAWN", "PREFILL_COLOUR", "SHARED_COLOUR",

@@ -36,7 +36,8 @@ def format_queues(snap: EngineSnapshot) -> str:
 
     def describe(rid: str) -> str:
         r = snap.requests[rid]
-        mark = " (preempted)" if r.status == "preempted" else ""
+        mark = {"preempted": " (preempted)",
+                "waiting_for_remote_kvs": " (waiting for its KV to load)"}.get(r.status, "")
         return (f"{rid}{mark} [{r.num_computed_tokens}/"
                 f"{r.num_prompt_tokens + r.num_output_tokens} tokens in KV, "
                 f"{r.num_output_tokens}/{r.max_tokens} out]")
@@ -149,6 +150,9 @@ def _queue_and_table_lines(snap: EngineSnapshot) -> list[tuple[str, object]]:
                  for line in textwrap.wrap(text, LEFT_WRAP, subsequent_indent="    ")]
     if not snap.block_tables:
         left.append(("(none)", black))
+    if snap.tier_blocks:  # chapter 10: the second tier, a file
+        left += [("", black), (f"tier: {len(snap.tier_keys)} of {snap.tier_blocks} blocks hold "
+                               "K/V (a file behind the pool)", black)]
     return left
 
 
