@@ -266,7 +266,7 @@ class EngineConfig:
                 f"prefix_cache_retention_interval={self.prefix_cache_retention_interval!r}: kvlab "
                 "runs 0 (vLLM's default: keep only the windows a request can resume from) and "
                 "None (key every full block)")
-        from kvlab.kv_transfer.config import offloading_transfer_config
+        from kvlab.kv_transfer.kv_transfer_config import offloading_transfer_config
 
         transfer = offloading_transfer_config(self.kv_offloading_size, self.kv_offloading_backend,
                                               self.kv_transfer_config)
@@ -309,7 +309,7 @@ class EngineConfig:
     def resolved_kv_transfer_config(self):
         """The connector this config runs (kvlab.kv_transfer.KVTransferConfig), or None: the
         offloading knobs turned into one as vLLM's VllmConfig does."""
-        from kvlab.kv_transfer.config import offloading_transfer_config
+        from kvlab.kv_transfer.kv_transfer_config import offloading_transfer_config
 
         return offloading_transfer_config(self.kv_offloading_size, self.kv_offloading_backend,
                                           self.kv_transfer_config)

@@ -194,19 +194,7 @@ class LLMEngine:
         # random state, so two engines in one notebook never disturb each other.
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.device,
                                         Sampler(self.device, config.seed))
-        # Chapter 10: a KV connector, one instance per role as vLLM builds them; only the
-        # per-step metadata passes from the scheduler's to the worker's.
-        self.kv_connector = None
-        if transfer is not None:
-            block_bytes = block_nbytes(self.kv_cache)
-            self.kv_connector = create_connector(transfer, KVConnectorRole.SCHEDULER,
-                                                 config.block_size, block_bytes)
-            worker = create_connector(transfer, KVConnectorRole.WORKER, config.block_size,
-                                      block_bytes)
-            worker.register_kv_caches(self.kv_cache)
-            self.scheduler.connector = self.kv_connector
-            self.scheduler.kv_load_failure_policy = transfer.kv_load_failure_policy
-            self.model_runner.kv_connector = worker
+        self.kv_connector = self._make_kv_connector(transfer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}  # every sample of an unfinished request
         self.parents: dict[str, list[Request]] = {}  # caller's request id -> its n samples
@@ -219,6 +207,22 @@ class LLMEngine:
         # Who hears of each step (kvlab/step_log.py): the engine's own record first.
         self.step_log = StepLog()
         self.observers: list[StepObserver] = [self.step_log]
+
+    def _make_kv_connector(self, transfer):
+        """Chapter 10: a KV connector, one instance per role as vLLM builds them (only the
+        per-step metadata passes from the scheduler's to the worker's); None without one."""
+        if transfer is None:
+            return None
+        block_bytes = block_nbytes(self.kv_cache)
+        connector = create_connector(transfer, KVConnectorRole.SCHEDULER,
+                                     self.config.block_size, block_bytes)
+        worker = create_connector(transfer, KVConnectorRole.WORKER, self.config.block_size,
+                                  block_bytes)
+        worker.register_kv_caches(self.kv_cache)
+        self.scheduler.connector = connector
+        self.scheduler.kv_load_failure_policy = transfer.kv_load_failure_policy
+        self.model_runner.kv_connector = worker
+        return connector
 
     def add_observer(self, observer: StepObserver) -> None:
         """Have `observer` hear of every step from now on (after the engine's own StepLog)."""

@@ -43,16 +43,18 @@ def run_one_by_one(llm: LLM, requests: list[dict], max_tokens: int) -> dict:
     the pool's and the tier's hits, and the tokens."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     before = llm.stats()
-    ttfts, tokens = [], []
+    ttfts, tokens, cached = [], [], []
     for r in requests:
         out = llm.generate(r, sp)[0]
         ttfts.append(out.metrics.ttft)
         tokens.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)  # the pool's hit and the tier's
     s = llm.stats()
     queries = s["prefix_cache_queries"] - before["prefix_cache_queries"]
     pool = s["prefix_cache_hits"] - before["prefix_cache_hits"]
     tier = s["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
-    return {"ttfts": ttfts, "tokens": tokens, "queries": queries, "pool_hits": pool,
+    return {"ttfts": ttfts, "tokens": tokens, "cached": cached, "queries": queries,
+            "pool_hits": pool,
             "tier_hits": tier,
             "load_gb": (s["kv_offload_load_bytes"] - before["kv_offload_load_bytes"]) / 1e9,
             "load_s": s["kv_offload_load_time"] - before["kv_offload_load_time"]}
@@ -63,10 +65,10 @@ def tier_size_sweep(tier_docs=(0, 2, 4, 6), num_tenants: int = 4, rounds: int = 
                     max_tokens: int = 4, block_size: int = 16, seed: int = 0,
                     model: str | None = None) -> list[dict]:
     """The RAG workload through a pool that holds `pool_docs` documents, with a tier that
-    holds `tier_docs` documents' blocks (0: no tier). Per size: the tier's blocks and GiB, the
-    hit rate (pool + tier hits over prompt tokens), the tier's share, the median TTFT of the
-    repeat rounds (the first round finds nothing anywhere), and whether the tokens equal the
-    run without a tier."""
+    holds `tier_docs` documents' blocks (0: no tier). Per size, over the repeat rounds (the
+    first round finds nothing anywhere): the tier's blocks and GiB, the share of their prompt
+    tokens found (the pool's hit and the tier's), the most that could be found (each document,
+    in whole blocks), their median TTFT, and whether the tokens equal the run without a tier."""
     requests = rag_requests(num_tenants, rounds, doc_len, question_len, seed)
     prompt_len = doc_len + question_len
     doc_blocks = doc_len // block_size
@@ -87,12 +89,13 @@ def tier_size_sweep(tier_docs=(0, 2, 4, 6), num_tenants: int = 4, rounds: int = 
         if want is None:
             want = r["tokens"]
         repeat = r["ttfts"][num_tenants:]
+        repeat_tokens = prompt_len * len(repeat)
         rows.append({
             "tier_docs": docs,
             "tier_blocks": llm.stats()["kv_offload_tier_blocks"],
             "kv_offloading_size_gib": round(size or 0.0, 4),
-            "hit_rate": (r["pool_hits"] + r["tier_hits"]) / r["queries"],
-            "tier_hit_share": r["tier_hits"] / r["queries"],
+            "hit_rate": sum(r["cached"][num_tenants:]) / repeat_tokens,
+            "ceiling": len(repeat) * (doc_len // block_size * block_size) / repeat_tokens,
             "median_ttft_ms": 1000 * statistics.median(repeat),
             "identical": r["tokens"] == want,
         })

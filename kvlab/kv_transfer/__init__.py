@@ -14,7 +14,7 @@
 
 from kvlab.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorOutput,
                                     KVConnectorRole)
-from kvlab.kv_transfer.config import KVTransferConfig
+from kvlab.kv_transfer.kv_transfer_config import KVTransferConfig
 from kvlab.kv_transfer.factory import create_connector
 
 __all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",

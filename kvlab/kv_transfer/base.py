@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 
 
 class KVConnectorRole(enum.Enum):
@@ -147,3 +148,55 @@ class KVConnectorBase:
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         """What finished this step."""
         return KVConnectorOutput()
+
+    # ---- what both of kvlab's connectors share -----------------------------------------------
+    def _prompt_blocks_done(self, scheduler_output, next_store: dict[str, int]):
+        """For each scheduled request tracked in `next_store` (request id -> its first block
+        not yet offered): the full prompt blocks this step completes, as (request, start, end,
+        block ids); `next_store` moves past them. Prompt blocks only (vLLM's offloading
+        default, offload_prompt_only)."""
+        for request, num_new in scheduler_output.scheduled:
+            rid = request.request_id
+            start = next_store.get(rid)
+            if start is None:
+                continue
+            done = scheduler_output.num_computed_tokens[rid] + num_new
+            end = min(done, request.num_prompt_tokens) // self.block_size
+            if end > start:
+                next_store[rid] = end
+                yield request, start, end, scheduler_output.block_ids[rid][start:end]
+
+    def _run_loads(self, read) -> None:
+        """Before the forward: read each load's blocks (`read(keys)` -> host bytes) into the
+        pool, timing them; a read that raises OSError fails its request's load."""
+        from kvlab.kv_transfer.tier import scatter_blocks
+
+        self._output = KVConnectorOutput()
+        for job in self._metadata.loads:
+            start = time.perf_counter()
+            try:
+                data = read(job.keys)
+            except OSError:
+                self._output.failed_recving.add(job.req_id)
+                continue
+            scatter_blocks(self.kv_cache, job.block_ids, data)
+            self._output.finished_recving.add(job.req_id)
+            self._output.load_bytes += data.nbytes
+            self._output.load_time += time.perf_counter() - start
+
+    def _run_stores(self, write) -> None:
+        """After the forward: write each store's blocks (`write(keys, host bytes)`), timing
+        them; a write that raises OSError fails that store."""
+        from kvlab.kv_transfer.tier import gather_blocks
+
+        for job in self._metadata.stores:
+            start = time.perf_counter()
+            data = gather_blocks(self.kv_cache, job.block_ids)
+            try:
+                write(job.keys, data)
+            except OSError:
+                self._output.failed_stores.append(job.keys)
+                continue
+            self._output.finished_stores.append(job.keys)
+            self._output.store_bytes += data.nbytes
+            self._output.store_time += time.perf_counter() - start

@@ -3,8 +3,11 @@
 
 The producer (kv_role "kv_producer") runs the prompt and writes every full prompt block to
 the folder, one file per block named by the block's prefix-cache key. The consumer
-("kv_consumer") looks a new request's blocks up there and loads them before the forward that
-needs them (a synchronous load, as vLLM's ExampleConnector's), then computes the rest.
+("kv_consumer") looks a new request's blocks up there and loads them, then computes the rest.
+The load is asynchronous: the request waits in WAITING_FOR_REMOTE_KVS until it is done, as the
+decode side of vLLM's NIXL connector does (vLLM's ExampleConnector loads synchronously, layer by
+layer, before the forward of the step that admits the request, and never the block holding the
+prompt's last token; kvlab's scheduler runs every external load the asynchronous way).
 
 vLLM's ExampleConnector writes one safetensors file per layer under a folder named by a hash
 of the prompt; kvlab's writes per block, so that two prompts that share a prefix share its
@@ -14,11 +17,9 @@ over RDMA from the producer's GPU memory to the consumer's, without a file in be
 
 from __future__ import annotations
 
-import time
-
 from kvlab.kv_transfer.base import (BlockTransfer, KVConnectorBase, KVConnectorMetadata,
                                     KVConnectorOutput, KVConnectorRole)
-from kvlab.kv_transfer.tier import BlockFolder, gather_blocks, scatter_blocks
+from kvlab.kv_transfer.tier import BlockFolder
 
 
 class ExampleConnector(KVConnectorBase):
@@ -64,18 +65,11 @@ class ExampleConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        for request, num_new in scheduler_output.scheduled:
-            rid = request.request_id
-            start = self._next_store.get(rid)
-            if start is None:
-                continue
-            done = scheduler_output.num_computed_tokens[rid] + num_new
-            end = min(done, request.num_prompt_tokens) // self.block_size
-            if end > start:
-                self._next_store[rid] = end
-                meta.stores.append(BlockTransfer(rid, request.block_hashes[start:end],
-                                                 scheduler_output.block_ids[rid][start:end]))
-                self.num_stored_blocks += end - start
+        for request, start, end, block_ids in self._prompt_blocks_done(scheduler_output,
+                                                                       self._next_store):
+            meta.stores.append(BlockTransfer(request.request_id,
+                                             request.block_hashes[start:end], block_ids))
+            self.num_stored_blocks += end - start
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -92,26 +86,10 @@ class ExampleConnector(KVConnectorBase):
 
     # ---- worker side ------------------------------------------------------------------------
     def start_load_kv(self) -> None:
-        self._output = KVConnectorOutput()
-        for job in self._metadata.loads:
-            start = time.perf_counter()
-            try:
-                data = self.folder.read(job.keys)
-            except OSError:
-                self._output.failed_recving.add(job.req_id)
-                continue
-            scatter_blocks(self.kv_cache, job.block_ids, data)
-            self._output.load_bytes += data.nbytes
-            self._output.load_time += time.perf_counter() - start
-            self._output.finished_recving.add(job.req_id)
+        self._run_loads(self.folder.read)
 
     def wait_for_save(self) -> None:
-        for job in self._metadata.stores:
-            start = time.perf_counter()
-            data = gather_blocks(self.kv_cache, job.block_ids)
-            self.folder.write(job.keys, data)
-            self._output.store_bytes += data.nbytes
-            self._output.store_time += time.perf_counter() - start
+        self._run_stores(self.folder.write)
 
     def get_finished(self, finished_req_ids=frozenset()) -> KVConnectorOutput:
         out, self._output = self._output, KVConnectorOutput()

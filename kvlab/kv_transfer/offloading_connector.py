@@ -25,11 +25,10 @@ The tier here is a file (`tier.py`), one slot per block.
 from __future__ import annotations
 
 import collections
-import time
 
 from kvlab.kv_transfer.base import (BlockTransfer, KVConnectorBase, KVConnectorMetadata,
                                     KVConnectorOutput, KVConnectorRole)
-from kvlab.kv_transfer.tier import SlotFile, block_nbytes, gather_blocks, scatter_blocks
+from kvlab.kv_transfer.tier import SlotFile, block_nbytes
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -100,19 +99,10 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        for request, num_new in scheduler_output.scheduled:
-            rid = request.request_id
-            start = self._next_store.get(rid)
-            if start is None:
-                continue
-            done = scheduler_output.num_computed_tokens[rid] + num_new
-            end = min(done, request.num_prompt_tokens) // self.block_size  # full prompt blocks
-            if end <= start:
-                continue
-            self._next_store[rid] = end
-            keys = self._keys(request)[start:end]
-            block_ids = scheduler_output.block_ids[rid][start:end]
-            store = self._prepare_store(rid, keys, block_ids)
+        for request, start, end, block_ids in self._prompt_blocks_done(scheduler_output,
+                                                                       self._next_store):
+            store = self._prepare_store(request.request_id, self._keys(request)[start:end],
+                                        block_ids)
             if store is not None and store.keys:
                 meta.stores.append(store)
             self._touch(self._keys(request)[:end])
@@ -187,32 +177,11 @@ class OffloadingConnector(KVConnectorBase):
         """Reads every load of the step before the forward. vLLM's loads run on a CUDA stream
         while the GPU computes other requests; this CPU has nothing to overlap them with, so a
         load costs the step its time (measured, `load_time`)."""
-        self._output = KVConnectorOutput()
-        for job in self._metadata.loads:
-            start = time.perf_counter()
-            try:
-                data = self.tier.read(job.keys)
-            except OSError:
-                self._output.failed_recving.add(job.req_id)
-                continue
-            scatter_blocks(self.kv_cache, job.block_ids, data)
-            self._output.finished_recving.add(job.req_id)
-            self._output.load_bytes += data.nbytes
-            self._output.load_time += time.perf_counter() - start
+        self._run_loads(self.tier.read)
 
     def wait_for_save(self) -> None:
         """Writes the step's stores once the forward has written their K/V."""
-        for job in self._metadata.stores:
-            start = time.perf_counter()
-            data = gather_blocks(self.kv_cache, job.block_ids)
-            try:
-                self.tier.write(job.keys, data)
-            except OSError:
-                self._output.failed_stores.append(job.keys)
-                continue
-            self._output.finished_stores.append(job.keys)
-            self._output.store_bytes += data.nbytes
-            self._output.store_time += time.perf_counter() - start
+        self._run_stores(self.tier.write)
 
     def get_finished(self, finished_req_ids=frozenset()) -> KVConnectorOutput:
         out, self._output = self._output, KVConnectorOutput()

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from kvlab.config import BACKENDS, EngineConfig
 from kvlab.kv_quant import KV_CACHE_DTYPES
-from kvlab.kv_transfer.config import OFFLOADING_BACKENDS
+from kvlab.kv_transfer.kv_transfer_config import OFFLOADING_BACKENDS
 
 
 def parser() -> argparse.ArgumentParser:

@@ -11,9 +11,10 @@ small so that its own prefix cache loses what the tier must then supply.
 from __future__ import annotations
 
 import pytest
-from tests.helpers import assert_no_blocks_held
+from tests import helpers
 
 from kvlab import LLM, SamplingParams
+from kvlab.kv_transfer.offloading_connector import OffloadingConnector
 from kvlab.request import RequestStatus
 
 BLOCK = 16
@@ -65,6 +66,18 @@ def make(tier_blocks=None, *, gib=None, policy=None, **kwargs) -> LLM:
 def tokens(llm: LLM, ps, n: int) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy(n))
     return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_no_blocks_held(llm: LLM) -> None:
+    """tests.helpers' check (no request, every block free), and no transfer state left in the
+    tier: no slot pinned by a load, none pending a write the worker never reported."""
+    helpers.assert_no_blocks_held(llm)
+    conn = llm.llm_engine.kv_connector
+    if isinstance(conn, OffloadingConnector):
+        assert not conn.pending_writes, sorted(conn.pending_writes)
+        assert not any(conn.pinned.values()) and not conn._loading
+    sched = llm.llm_engine.scheduler
+    assert not sched.finished_recving_kv_req_ids and not sched.failed_recving_kv_req_ids
 
 
 def run_steps(engine, max_steps: int = 200) -> dict:
@@ -316,11 +329,6 @@ def test_failed_store_is_counted_and_stores_nothing(text_ids, gib, monkeypatch):
     assert_no_blocks_held(llm)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: OffloadingConnector._prepare_store puts a key in the index when the store is "
-    "planned, before the worker's write is known to have succeeded; under async scheduling "
-    "the next step is scheduled before a failed write is reported, so a lookup there loads a "
-    "slot that was never written (vLLM keeps the key 'not ready' until complete_store)"))
 def test_failed_store_is_never_loaded_under_async_scheduling(text_ids, gib, monkeypatch):
     p = list(text_ids[:48])  # 3 blocks: the pool's hit stops at 2, the tier is asked for the 3rd
     plain = tokens(make(), [p], 6)
@@ -338,6 +346,8 @@ def test_failed_store_is_never_loaded_under_async_scheduling(text_ids, gib, monk
     assert done["a"].outputs[0].token_ids == plain[0]
     assert llm.stats()["kv_offload_load_bytes"] == 0  # nothing was ever written to load
     assert done["b"].outputs[0].token_ids == plain[0]
+    assert engine.kv_connector.num_store_failures >= 1
+    assert_no_blocks_held(llm)
 
 
 def failing_forward_with_a_load_and_a_store(llm, text_ids, monkeypatch):
@@ -361,14 +371,10 @@ def failing_forward_with_a_load_and_a_store(llm, text_ids, monkeypatch):
     return pl, q
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: ModelRunner.execute_model calls connector.get_finished() only after a "
-    "forward that returned; when the forward raises, the worker's report of the step's loads "
-    "(finished_recving) is dropped (the next start_load_kv resets it), so a request whose "
-    "load ran in that step waits in WAITING_FOR_REMOTE_KVS forever and its tier slots stay "
-    "pinned"))
-def test_load_of_a_step_whose_forward_failed_is_not_lost(text_ids, gib, monkeypatch):
-    llm = make(10, gib=gib, async_scheduling=False)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_load_of_a_step_whose_forward_failed_is_not_lost(text_ids, gib, monkeypatch,
+                                                         async_scheduling):
+    llm = make(10, gib=gib, async_scheduling=async_scheduling)
     pl, _ = failing_forward_with_a_load_and_a_store(llm, text_ids, monkeypatch)
     done = run_steps(llm.llm_engine, max_steps=30)
     assert done["L"].outputs[0].token_ids == tokens(make(async_scheduling=False), [pl], 4)[0]
@@ -376,12 +382,10 @@ def test_load_of_a_step_whose_forward_failed_is_not_lost(text_ids, gib, monkeypa
     assert_no_blocks_held(llm)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: the stores planned for a step whose forward raised are never written (the "
-    "model runner skips wait_for_save) nor reported failed, yet their keys stay in the tier's "
-    "index: a later request with that prompt loads slots that hold no K/V"))
-def test_stores_of_a_step_whose_forward_failed_are_not_kept(text_ids, gib, monkeypatch):
-    llm = make(10, gib=gib, async_scheduling=False)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_stores_of_a_step_whose_forward_failed_are_not_kept(text_ids, gib, monkeypatch,
+                                                            async_scheduling):
+    llm = make(10, gib=gib, async_scheduling=async_scheduling)
     _, q = failing_forward_with_a_load_and_a_store(llm, text_ids, monkeypatch)
     engine = llm.llm_engine
     for rid in list(engine.parents):
@@ -390,13 +394,9 @@ def test_stores_of_a_step_whose_forward_failed_are_not_kept(text_ids, gib, monke
     before = llm.stats()["external_prefix_cache_hits"]
     assert tokens(llm, [q], 4) == tokens(make(async_scheduling=False), [q], 4)
     assert llm.stats()["external_prefix_cache_hits"] == before
+    assert_no_blocks_held(llm)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: Scheduler._update_from_kv_xfer_finished adds every finished_recving id to "
-    "finished_recving_kv_req_ids, also of a request aborted while its load was in flight "
-    "(vLLM 0.33.0 adds only requests still WAITING_FOR_REMOTE_KVS); the id stays forever, and "
-    "a later request reusing it is promoted before its own load is reported"))
 def test_abort_during_a_load_leaves_no_transfer_state(text_ids, gib):
     pl = list(text_ids[:40])
     llm = make(10, gib=gib, async_scheduling=True)
@@ -518,12 +518,6 @@ def test_different_salts_never_share_tier_blocks(text_ids, gib):
 # =================================================================================================
 # Deadlock: two loads whose prompts cannot both finish
 # =================================================================================================
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: an async load is admitted when its own full prompt fits the free blocks, not "
-    "counting what earlier in-flight loads still need (vLLM 0.33.0 reserves "
-    "_inflight_prefill_reserved_blocks); the first request, once loaded, cannot get its last "
-    "block, breaks the waiting loop, and the second, holding the blocks, is never reached: "
-    "LLM.generate would spin forever"))
 def test_two_loads_that_cannot_both_finish_do_not_deadlock(text_ids, gib):
     """8-block pool. r1 (70 tokens) loads 4 blocks and needs a 5th; r2 (64 tokens) loads its
     4 blocks in the same step, taking the last free ones."""

@@ -32,12 +32,13 @@ How vLLM's vocabulary maps onto kvlab's:
 - vLLM's CPUOffloadingManager (prepare_store / complete_store / prepare_load / complete_load /
   lookup / touch) is the scheduler side of kvlab's OffloadingConnector, driven through its
   connector hooks (`store`, `load`, `lookup` below): a store is a request admitted with
-  nothing to load whose prompt a step computes (build_connector_meta plans the store; a
-  refused one is an allocation failure), a load is pinned by update_state_after_alloc and
-  released by update_connector_output, a lookup is get_num_new_matched_tokens, a touch is a
-  re-offer of stored keys, and a store's failure is reported in
-  KVConnectorOutput.failed_stores. kvlab's tier block is one pool block (vLLM's offloaded
-  block may span several GPU blocks; here the factor is 1).
+  nothing to load whose prompt a step computes (build_connector_meta plans the store, whose
+  slots are then pending: not served, not evicted; a refused one is an allocation failure),
+  its complete_store is the worker's report of the write, KVConnectorOutput.finished_stores
+  (failed_stores for complete_store(success=False)), a load is pinned by
+  update_state_after_alloc and released by update_connector_output, a lookup is
+  get_num_new_matched_tokens, a touch is a re-offer of stored keys. kvlab's tier block is one
+  pool block (vLLM's offloaded block may span several GPU blocks; here the factor is 1).
 
 vLLM tests that were read but cannot be expressed against kvlab are in NOT_PORTED at the end.
 """
@@ -49,7 +50,7 @@ import types
 import pytest
 
 from kvlab.kv_transfer import KVConnectorBase, KVConnectorOutput, KVConnectorRole
-from kvlab.kv_transfer.config import KVTransferConfig
+from kvlab.kv_transfer.kv_transfer_config import KVTransferConfig
 from kvlab.kv_transfer.offloading_connector import OffloadingConnector
 from kvlab.prefix_cache import get_request_block_hasher
 from kvlab.request import RequestStatus
@@ -441,10 +442,6 @@ def test_src_async_load_failure_fails_the_request_by_default():
     sched.kv_cache_manager.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: no reservation for in-flight async loads (0.33.0: reserved_blocks = "
-    "_inflight_prefill_reserved_blocks() in Scheduler.schedule); id-2's load takes the block "
-    "id-1 needs to finish its prompt, and id-1 at the head of the queue blocks id-2 forever"))
 def test_async_load_deadlock_head_of_line_blocking():
     """LF test_async_load_deadlock_head_of_line_blocking (the newer test reaches the state by
     hand; here kvlab's own admission reaches it). 8 usable blocks: id-1 (4.5 blocks) loads 4
@@ -466,6 +463,45 @@ def test_async_load_deadlock_head_of_line_blocking():
         if finished == {"id-1", "id-2"}:
             break
     assert finished == {"id-1", "id-2"}
+    assert_scheduler_empty(sched)
+
+
+def test_src_in_flight_load_reserves_the_blocks_its_request_still_needs():
+    """0.33.0 Scheduler.schedule (reserved_blocks = _inflight_prefill_reserved_blocks()): while
+    a request waits for its load, the blocks it still needs to run its prompt are held back
+    from every other admission. 8 usable blocks: id-1 (4.5 blocks) loads 4 and needs a 5th;
+    id-2 (a local 4-block prompt, budget and seats to spare) would fit the 4 free blocks only
+    by taking that 5th: it is not admitted while the load is in flight, id-1 gets its block
+    once loaded, and id-2 runs when blocks come back."""
+    r1, r2 = create_request(1, int(BLOCK * 4.5)), create_request(2, 4 * BLOCK)
+    conn = RemotePrefill(remote={"id-1"}, matches={"id-1": 4 * BLOCK})
+    sched = make_scheduler(conn, num_blocks=9)
+    pool = sched.kv_cache_manager.block_pool
+    sched.add_request(r1)
+    sched.add_request(r2)
+
+    # 1: id-1 holds 4 blocks for its load; the 4 free blocks would cover id-2's whole prompt,
+    # but one of them is id-1's.
+    out, _ = step(sched)
+    assert r1.status == RequestStatus.WAITING_FOR_REMOTE_KVS and len(blocks_of(sched, "id-1")) == 4
+    assert pool.get_num_free_blocks() == 4 and not out.scheduled
+    assert r2.status == RequestStatus.WAITING and not blocks_of(sched, "id-2")
+    assert [a[0] for a in conn.allocs] == ["id-1"]
+
+    # 2: the load is still in flight: the reservation still holds; the load is reported done.
+    out, _ = step(sched, finished_recving={"id-1"})
+    assert not out.scheduled and not blocks_of(sched, "id-2") and pool.get_num_free_blocks() == 4
+
+    # 3: id-1 runs the rest of its prompt in its 5th block; 3 blocks left: id-2 still waits.
+    out, touched = step(sched, use_eos=True)
+    assert out.num_scheduled_tokens == {"id-1": BLOCK // 2} and len(out.block_ids["id-1"]) == 5
+    assert [r.request_id for r in touched] == ["id-1"] and r1.finish_reason == "stop"
+    assert r2.status == RequestStatus.WAITING and not blocks_of(sched, "id-2")
+
+    # 4: id-1's blocks are back: id-2 runs.
+    out, _ = step(sched, use_eos=True)
+    assert out.num_scheduled_tokens == {"id-2": 4 * BLOCK}
+    sched.schedule()
     assert_scheduler_empty(sched)
 
 
@@ -544,11 +580,13 @@ def lookup(conn, *ints) -> int:
     return n // conn.block_size
 
 
-def store(conn, *ints):
+def store(conn, *ints, complete: bool = True):
     """vLLM's prepare_store + complete_store, through kvlab's hooks: a request of its own is
     admitted with nothing to load and computes its whole prompt in one step; the step's store
     job for it is returned (keys: its new slots, block_ids: the pool blocks written), or None
-    when the store was refused (an allocation failure)."""
+    when the store was refused (an allocation failure). With `complete` the worker then
+    reports the write done (finished_stores, vLLM's complete_store); without it the slots
+    stay pending until the caller reports them (`complete_store`)."""
     req = fake_request(conn, *ints)
     failures = conn.num_allocation_failures
     conn.update_state_after_alloc(req, [100 + i for i in ints], 0)
@@ -558,7 +596,18 @@ def store(conn, *ints):
         assert not meta.stores
         return None
     (job,) = meta.stores or [types.SimpleNamespace(keys=[], block_ids=[])]
+    assert set(job.keys) <= conn.pending_writes
+    if complete:
+        complete_store(conn, job)
     return job
+
+
+def complete_store(conn, job, success: bool = True) -> None:
+    """vLLM's complete_store(keys, success): the worker's report of a store job's write."""
+    if job.keys:
+        report = [list(job.keys)]
+        conn.update_connector_output(KVConnectorOutput(finished_stores=report) if success
+                                     else KVConnectorOutput(failed_stores=report))
 
 
 def load(conn, *ints) -> str:
@@ -580,20 +629,30 @@ def test_cpu_manager():
     request of its own. 0.33.0's LRUCachePolicy orders keys by request (the later request's
     are more recent) and within a request tails before heads; a load is a use
     (CPUOffloadingManager.prepare_load records a request access); vLLM's older test copy has
-    a plain insertion-order LRU, and evicts [2, 3, 4] where 0.33.0 keeps the loaded head 2."""
+    a plain insertion-order LRU, and evicts [2, 3, 4] where 0.33.0 keeps the loaded head 2.
+    A store's slots are pending from prepare_store to complete_store (the worker's
+    finished_stores): not served by a lookup, not evicted."""
     conn = tier(4)
-    job = store(conn, 1, 2)
+    job = store(conn, 1, 2, complete=False)
     assert job.block_ids == [101, 102] and sorted(job.keys) == [0, 1]
+    assert lookup(conn, 1, 2) == 0  # not ready
+    complete_store(conn, job)
+    assert not conn.pending_writes
     assert lookup(conn, 1) == 1 and lookup(conn, 1, 2) == 2 and lookup(conn, 1, 2, 3) == 2
 
     # [2, 3, 4, 5]: 2 is there (only refreshed), 3 new blocks, 2 free slots: evicts 1.
-    job = store(conn, 2, 3, 4, 5)
+    job = store(conn, 2, 3, 4, 5, complete=False)
     assert job.block_ids == [103, 104, 105]
     assert stored(conn) == set(keys(2, 3, 4, 5))
+    assert lookup(conn, 2, 3, 4) == 1  # 3 is still being written
+    # [1, 6] needs 2 slots while [3, 4, 5] are being written: only 2 can be evicted: refused.
+    assert store(conn, 1, 6) is None and conn.num_allocation_failures == 1
+    assert stored(conn) == set(keys(2, 3, 4, 5))
+    complete_store(conn, job)
 
     # A load of [2, 3] pins them: storing 3 more blocks finds only 2 to evict: refused.
     rid = load(conn, 2, 3)
-    assert store(conn, 6, 7, 8) is None and conn.num_allocation_failures == 1
+    assert store(conn, 6, 7, 8) is None and conn.num_allocation_failures == 2
     assert stored(conn) == set(keys(2, 3, 4, 5))
 
     # The load completes: [6, 7, 8] evict 5 and 4 (b's, older), then the loaded request's
@@ -610,11 +669,12 @@ def test_cpu_manager():
 
     # [7, 10]: 7 belongs to the offer; 8 (older than 6 and 9) makes room. The write of 10
     # fails (vLLM: complete_store(success=False)): 10 is gone, 7 stays.
-    job = store(conn, 7, 10)
+    job = store(conn, 7, 10, complete=False)
     assert job.block_ids == [110] and stored(conn) == set(keys(6, 7, 9, 10))
-    conn.update_connector_output(KVConnectorOutput(failed_stores=[job.keys]))
+    complete_store(conn, job, success=False)
     assert lookup(conn, 7) == 1 and lookup(conn, 10) == 0
     assert conn.num_store_failures == 1 and stored(conn) == set(keys(6, 7, 9))
+    assert not conn.pending_writes
 
 
 def test_already_stored_block_not_evicted_during_prepare_store():
@@ -642,17 +702,16 @@ def test_src_store_refused_when_the_offer_itself_fills_the_tier():
     assert conn.num_allocation_failures == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvlab bug: a planned store is visible to lookups at once (kvlab has no 'write pending' "
-    "state); 0.33.0's lookup answers HIT_PENDING until complete_store, so a request never "
-    "loads a block whose write has not been confirmed"))
 def test_src_lookup_misses_a_store_not_yet_completed():
     """CM test_cpu_manager's 'lookup [1, 2] -> not ready' step: between prepare_store and
-    complete_store a key is not served (0.33.0 CPUOffloadingManager.lookup: HIT_PENDING, and
-    the offloading scheduler then answers None, "ask again")."""
+    complete_store a key is not served (0.33.0 CPUOffloadingManager.lookup stops at the first
+    block that is not ready), so a request never loads a block whose write is unconfirmed;
+    the worker's finished_stores makes it servable."""
     conn = tier(4)
-    store(conn, 1, 2)  # planned; the worker has not reported the write
-    assert lookup(conn, 1, 2) == 0
+    job = store(conn, 1, 2, complete=False)  # planned; the worker has not reported the write
+    assert lookup(conn, 1, 2) == 0 and lookup(conn, 1) == 0
+    complete_store(conn, job)
+    assert lookup(conn, 1, 2) == 2
 
 
 def test_src_lru_evicts_a_requests_tail_before_its_head():
@@ -672,7 +731,7 @@ def test_src_lru_evicts_a_requests_tail_before_its_head():
 # =================================================================================================
 class Worker:
     """The worker side reduced to what the scheduler sees: every load and store succeeds at
-    once, and is recorded (pool block ids)."""
+    once, is recorded (pool block ids), and is reported (finished_recving, finished_stores)."""
 
     def __init__(self):
         self.loaded: list[list[int]] = []
@@ -682,7 +741,9 @@ class Worker:
         meta = out.kv_connector_metadata
         self.loaded += [job.block_ids for job in meta.loads]
         self.stored += [job.block_ids for job in meta.stores if job.keys]
-        return KVConnectorOutput(finished_recving={job.req_id for job in meta.loads})
+        return KVConnectorOutput(finished_recving={job.req_id for job in meta.loads},
+                                 finished_stores=[list(job.keys) for job in meta.stores
+                                                  if job.keys])
 
 
 def offload_step(sched, worker, use_eos=False):
@@ -804,9 +865,6 @@ NOT_PORTED = (
     ("test_arc_manager_touch_ordering", CM, "ARC eviction policy"),
     ("test_cpu_manager (events)", CM, "offloading KV events (BlockStored/BlockRemoved with a "
      "medium): kvlab's connectors publish none"),
-    ("test_cpu_manager ([1, 6] refused while [3, 4, 5] are being written)", CM,
-     "kvlab writes a store in the step that plans it: no write-pending state to refuse on "
-     "(see test_src_lookup_misses_a_store_not_yet_completed)"),
     ("test_swa_offload_window_covers_unaligned_hit", OC, "sliding-window groups: kvlab refuses "
      "a connector on a hybrid model"),
     ("test_partial_tail_store_uses_attention_and_recurrent_cow_sources", OC,

@@ -468,7 +468,7 @@ def test_hybrid_figure_and_table_read_at_a_glance():
 def test_offload_figures_read_at_a_glance():
     """Chapter 10: the sweep's two panels, the load-against-recompute lines and the pair's
     timeline each carry a legend of what is drawn and plain numbers on their axes."""
-    rows = [{"tier_blocks": b, "hit_rate": h, "median_ttft_ms": t}
+    rows = [{"tier_blocks": b, "hit_rate": h, "median_ttft_ms": t, "ceiling": 0.9}
             for b, h, t in ((0, 0.0, 340.0), (30, 0.0, 330.0), (60, 0.5, 170.0))]
     fig = viz.plot_tier_sweep(rows, doc_blocks=15)
     assert len(fig.axes) == 2 and all(ax.get_legend() for ax in fig.axes)

@@ -145,10 +145,12 @@ def _tier_alone(w: dict, tier_blocks: int, requests) -> int:
         hit, _ = conn.get_num_new_matched_tokens(req, 0)
         blocks = list(range(1, len(keys) + 2))
         conn.update_state_after_alloc(req, blocks, hit)
-        conn.build_connector_meta(SimpleNamespace(
+        meta = conn.build_connector_meta(SimpleNamespace(
             scheduled=[(req, len(ids) - hit)], num_computed_tokens={req.request_id: hit},
             block_ids={req.request_id: blocks}))
-        conn.update_connector_output(KVConnectorOutput(finished_recving={req.request_id}))
+        # What the worker would report: the load done, the stores written.
+        conn.update_connector_output(KVConnectorOutput(
+            finished_recving={req.request_id}, finished_stores=[s.keys for s in meta.stores]))
         conn.request_finished(req, blocks)
         found += hit
     return found
@@ -191,9 +193,9 @@ TIER_SIZE = Exercise(
         "Size the second tier (kv_offloading_size, in GiB) for tenants who take turns asking "
         "about their own documents behind a pool too small to keep them: every cached token an "
         "unbounded tier would find, in as little memory as you can. The path's sweep shows "
-        "what a tier too small finds. The check runs two workloads on the real model with your "
-        "tier and searches for the smallest tier that finds everything; up to 25% above it "
-        "passes."
+        "what a tier too small finds. The check tries three workloads against the tier alone, "
+        "then runs two on the real model with your tier and searches for the smallest tier "
+        "that finds everything; up to 25% above it passes."
     ),
     full_version=(
         "vLLM's native offloading (vllm/distributed/kv_transfer/kv_connector/v1/"
@@ -207,12 +209,12 @@ TIER_SIZE = Exercise(
     stub=STUB,
     hint=(
         "In the sweep, which tier sizes found nothing and where did the hits start? Between "
-        "two turns of one tenant, which blocks were stored, and which of them are less "
-        "recent than that tenant's document?"
+        "two turns of one tenant, which blocks were stored? Each of them is more recent than "
+        "that tenant's document."
     ),
     solution=choose_tier_size,
     cases=[Case("three other workloads, against the tier alone", _arithmetic,
-                "One turn of the tenants' stored blocks, less what is older than the document.")]
+                "One turn of the tenants' stored full prompt blocks must fit.")]
     + [Case(f"real model: {_describe(w)}", _measured(w),
             "Compare the cached tokens printed above with an unbounded tier's.",
             real_model=True, timeout_s=600) for w in WORKLOADS],

@@ -14,13 +14,16 @@ PAIR_COLOUR = "#d62728"  # red: the pair
 
 
 def plot_tier_sweep(rows: list[dict], doc_blocks: int):
-    """`kvlab.bench.offload.tier_size_sweep`'s rows: the share of prompt tokens found (pool and
-    tier), and the median TTFT of the repeat rounds, by the tier's size in blocks."""
+    """`kvlab.bench.offload.tier_size_sweep`'s rows: the share of the repeat rounds' prompt
+    tokens found (pool and tier) against the most they could find, and their median TTFT, by
+    the tier's size in blocks."""
     x = [r["tier_blocks"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     a.plot(x, [100 * r["hit_rate"] for r in rows], "o-", color=TIER_COLOUR, lw=2,
-           label="pool + tier")
-    a.set_ylabel("prompt tokens found (%)")
+           label="found (pool + tier)")
+    a.axhline(100 * rows[0]["ceiling"], color="0.4", ls="--", lw=1.5,
+              label="the most there is to find (documents' full blocks)")
+    a.set_ylabel("repeat rounds' prompt tokens (%)")
     a.set_ylim(0, 100)
     b.plot(x, [r["median_ttft_ms"] for r in rows], "o-", color=TIER_COLOUR, lw=2,
            label="median TTFT, repeat rounds")
@@ -30,7 +33,8 @@ def plot_tier_sweep(rows: list[dict], doc_blocks: int):
         ax.set_xlabel(f"tier size (blocks; a document is {doc_blocks})")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=10, frameon=False)
+    a.legend(loc="lower right", fontsize=10, frameon=False)
+    b.legend(loc="upper right", fontsize=10, frameon=False)
     fig.tight_layout()
     return fig
 
