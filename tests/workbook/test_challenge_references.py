@@ -17,6 +17,7 @@ from kvlab.workbook.exercises import ch02_fork_pool_size as ch02
 from kvlab.workbook.exercises import ch03_max_num_seqs as ch03
 from kvlab.workbook.exercises import ch08_kv_precision as ch08
 from kvlab.workbook.exercises import ch09_hybrid_pool as ch09
+from kvlab.workbook.exercises import ch10_tier_size as ch10
 from kvlab.workbook.exercises._challenge import _run
 
 
@@ -121,3 +122,16 @@ def test_hybrid_pool_reference_fits_and_one_block_less_does_not(work):
 
     assert started_together(run(best))
     assert not started_together(run(best - 1))
+
+
+@pytest.mark.slow  # two workloads on the real model, each with a search for the smallest tier
+@pytest.mark.parametrize("workload", range(len(ch10.WORKLOADS)))
+def test_tier_size_reference_finds_every_hit_within_the_slack_of_the_smallest_tier(workload):
+    """Chapter 10: the reference tier finds every cached token an unbounded tier finds, and is
+    at most 25% above the smallest tier that does (the check's own search on the engine); on
+    the first workload it is that smallest tier exactly, and one block less loses hits."""
+    w = ch10.WORKLOADS[workload]
+    verdict = ch10._measured(w)(ch10.choose_tier_size)
+    assert "smallest tier that finds them all" in verdict
+    if workload == 0:
+        assert "yours is 1.00x the smallest" in verdict, verdict

@@ -33,7 +33,7 @@ def plot_tier_sweep(rows: list[dict], doc_blocks: int):
         ax.set_xlabel(f"tier size (blocks; a document is {doc_blocks})")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    a.legend(loc="lower right", fontsize=10, frameon=False)
+    a.legend(loc="center left", fontsize=10, frameon=False)
     b.legend(loc="upper right", fontsize=10, frameon=False)
     fig.tight_layout()
     return fig
