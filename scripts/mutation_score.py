@@ -37,6 +37,12 @@ MUTANT_TIMEOUT_S = 20.0  # a mutant that runs longer than this counts as caught
 # (exercise, statement before, statement after) -> why the mutant behaves exactly like the
 # solution. Statements are as `ast.unparse` prints their first line.
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("tier_hit", "last = min(len(block_keys), num_tokens // block_size)",
+     "last = max(len(block_keys), num_tokens // block_size)"):
+        "block_keys holds exactly the request's full blocks (the contract, and the engine's "
+        "block hasher): len(block_keys) == num_tokens // block_size, so min and max agree",
+    ("tier_hit", "for key in block_keys[first:last]:", "for key in block_keys[first:last + 1]:"):
+        "last is len(block_keys) (see the min/max mutant): a slice past the end is the same slice",
     ("window_blocks", "num_skipped_tokens = max(0, num_computed_tokens - sliding_window + 1)",
      "num_skipped_tokens = max(-1, num_computed_tokens - sliding_window + 1)"):
         "a negative count of skipped tokens is at most -1 blocks either way (floor division): "

@@ -25,6 +25,7 @@ Exercises, by chapter:
     06 timing_attack       read a cache hit off the clock
     08 quantize_int8       K/V stored in int8, and read back
     09 window_blocks       what a sliding-window group gives back while a request runs
+    10 tier_hit            how many of a waiting request's tokens the second tier can load
 
 Challenges (kind "challenge": a decision, measured on the real model against the best one):
     01 kv_pool_size        the smallest KV pool for a burst, contiguous and paged
@@ -35,6 +36,7 @@ Challenges (kind "challenge": a decision, measured on the real model against the
     07 tuning_lab          the settings that keep a workload within a latency SLO (goodput)
     08 kv_precision        a kv_cache_dtype and a pool in bytes for a burst, within a KL bound
     09 hybrid_pool         the bytes a burst needs on a model with sliding-window layers
+    10 tier_size           the smallest second tier that keeps tenants' documents between turns
 
 Which chapter holds which exercise, and the module that defines it (chNN_*.py here, one per
 build or challenge topic), is the chapter index's to say: kvlab/workbook/chapters.py.
