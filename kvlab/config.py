@@ -266,11 +266,7 @@ class EngineConfig:
                 f"prefix_cache_retention_interval={self.prefix_cache_retention_interval!r}: kvlab "
                 "runs 0 (vLLM's default: keep only the windows a request can resume from) and "
                 "None (key every full block)")
-        from kvlab.kv_transfer.kv_transfer_config import offloading_transfer_config
-
-        transfer = offloading_transfer_config(self.kv_offloading_size, self.kv_offloading_backend,
-                                              self.kv_transfer_config)
-        if transfer is not None and self.kv_layout != "paged":
+        if self.resolved_kv_transfer_config is not None and self.kv_layout != "paged":
             raise ValueError("a KV connector moves blocks: it needs kv_layout='paged'")
         if self.enable_prefix_caching is None:  # vLLM's default where a block can be shared
             self.enable_prefix_caching = self.kv_layout == "paged"

@@ -179,7 +179,7 @@ class KVCacheManager:
         need = max(self.num_blocks_for(num_tokens) - have, 0) + num_copies
         need += sum(1 for blk in new_computed_blocks if blk.ref_cnt == 0)
         need += self._watermark_for(request, has_scheduled_reqs)
-        need += getattr(self, "reserved_blocks", 0)
+        need += self.reserved_blocks
         return need <= self.block_pool.get_num_free_blocks()
 
     def _watermark_for(self, request, has_scheduled_reqs: bool) -> int:

@@ -431,15 +431,17 @@ class Scheduler:
         "recompute" the request computes what did not arrive. Either way it is counted.
         Returns the requests ended."""
         self.connector.update_connector_output(output)
-        loading = {r.request_id for r in self.waiting
+        ended: list[Request] = []
+        if not (output.finished_recving or output.failed_recving):
+            return ended
+        loading = {r.request_id: r for r in self.waiting
                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
         # A request aborted during its load is gone: its id is not kept (vLLM's check).
-        self.finished_recving_kv_req_ids |= output.finished_recving & loading
-        ended = []
+        self.finished_recving_kv_req_ids |= output.finished_recving & loading.keys()
         for rid in output.failed_recving:
             self.num_kv_load_failures += 1
-            request = next((r for r in self.waiting if r.request_id == rid), None)
-            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request = loading.get(rid)
+            if request is None:
                 continue  # aborted meanwhile
             if self.kv_load_failure_policy == "recompute":
                 self.failed_recving_kv_req_ids.add(rid)

@@ -70,3 +70,13 @@ def assert_no_text_under(figs: dict, points: float = 9) -> None:
         small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < points]
         assert texts and not small, (name, small)
         plt.close(fig)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus exposition (kvlab serve's /metrics) as {series (with labels): value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out

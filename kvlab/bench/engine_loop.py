@@ -37,31 +37,48 @@ def preemption_cost(num_requests: int = 12, min_len: int = 40, max_len: int = 90
             prompts = [{"prompt_token_ids": p}
                        for p in make_prompts(llm.get_tokenizer(), num_requests, min_len, max_len)]
         llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
-        llm.llm_engine.step_log.step_trace.clear()
-        before = llm.stats()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        wall = time.perf_counter() - t0
-        tokens = [o.outputs[0].token_ids for o in outs]
+        run = run_burst(llm, prompts, sp)
         if roomy:
-            want = tokens
+            want = run["tokens"]
             continue
-        s = llm.stats()
-        prefill = sum(r.num_prefill_tokens for r in llm.llm_engine.step_trace)
-        first_hits = s["prefix_cache_hits"] - before["prefix_cache_hits"]
-        first_compute = sum(len(p["prompt_token_ids"]) for p in prompts) - first_hits
         rows.append({
             "enable_prefix_caching": caching,
-            "preemptions": s["num_preemptions"] - before["num_preemptions"],
-            "tokens_recomputed": prefill - first_compute,
-            "tokens_found_again": (s["prefix_cache_preempted_hits"]
-                                   - before["prefix_cache_preempted_hits"]),
-            "wall_s": round(wall, 2),
-            "output_tokens": sum(len(t) for t in tokens),
-            "identical_to_roomy": tokens == want,
-            "leaked_blocks": s["num_used_blocks"],
+            "preemptions": run["preemptions"],
+            "tokens_recomputed": run["tokens_recomputed"],
+            "tokens_found_again": run["found_in_pool"],
+            "wall_s": round(run["wall_s"], 2),
+            "output_tokens": sum(len(t) for t in run["tokens"]),
+            "identical_to_roomy": run["tokens"] == want,
+            "leaked_blocks": run["leaked_blocks"],
         })
     return rows
+
+
+def run_burst(llm: LLM, prompts: list[dict], sp: SamplingParams) -> dict:
+    """One burst through `llm`, what its preemptions cost: preemptions, prompt and output
+    tokens computed again (every prefill token beyond each prompt's first computation, whose
+    own hits, the pool's and a KV connector's, are not computed), the tokens re-admissions found
+    in the pool and loaded by a connector (chapter 10), the wall time, the tokens, and the
+    blocks still held at the end."""
+    llm.llm_engine.step_log.step_trace.clear()
+    before = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    s = llm.stats()
+
+    def delta(key: str) -> int:
+        return s[key] - before[key]
+
+    prefill = sum(r.num_prefill_tokens for r in llm.llm_engine.step_trace)
+    first_hits = delta("prefix_cache_hits") + delta("external_prefix_cache_hits")
+    first_compute = sum(len(p["prompt_token_ids"]) for p in prompts) - first_hits
+    return {"preemptions": delta("num_preemptions"),
+            "tokens_recomputed": prefill - first_compute,
+            "found_in_pool": delta("prefix_cache_preempted_hits"),
+            "loaded_from_tier": delta("external_prefix_cache_preempted_hits"),
+            "wall_s": wall, "tokens": [o.outputs[0].token_ids for o in outs],
+            "leaked_blocks": s["num_used_blocks"]}
 
 
 class _CallLog(StepObserver):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 
 from kvlab.bench.common import make_prompts
+from kvlab.bench.engine_loop import run_burst
 from kvlab.bench.prefix import random_prompt
 from kvlab.engine import LLM
 from kvlab.sampling import SamplingParams
@@ -23,6 +23,12 @@ def tier_gib(num_blocks: int, llm: LLM) -> float:
     """The kv_offloading_size (GiB) that holds `num_blocks` of this engine's blocks."""
     e = llm.llm_engine
     return num_blocks * e.kv_bytes_per_token * e.config.block_size / GIB
+
+
+def tier_gib_per_block(block_size: int, model: str | None = None) -> float:
+    """The GiB one tier block of `block_size` tokens takes for `model`, from one small engine
+    (the tier is sized before its engine exists)."""
+    return tier_gib(1, LLM(model, block_size=block_size, kv_cache_tokens=block_size))
 
 
 def rag_requests(num_tenants: int, rounds: int, doc_len: int, question_len: int,
@@ -73,13 +79,9 @@ def tier_size_sweep(tier_docs=(0, 2, 4, 6), num_tenants: int = 4, rounds: int = 
     prompt_len = doc_len + question_len
     doc_blocks = doc_len // block_size
     rows, want = [], None
+    gib_per_block = tier_gib_per_block(block_size, model)
     for docs in tier_docs:
-        probe = None
-        size = None
-        if docs:
-            probe = LLM(model, block_size=block_size, kv_cache_tokens=block_size)
-            size = tier_gib(int(docs * doc_blocks), probe)
-            del probe
+        size = int(docs * doc_blocks) * gib_per_block if docs else None
         llm = LLM(model, block_size=block_size, max_model_len=prompt_len + max_tokens + 1,
                   kv_cache_tokens=int(pool_docs * doc_len), kv_offloading_size=size)
         warm = random.Random(99)  # warm-up at the workload's length, unsalted: shares nothing
@@ -158,18 +160,16 @@ def preemption_restore(num_requests: int = 12, min_len: int = 160, max_len: int 
     recompute (prefix cache off), find what the pool still holds (vLLM's default), or find that
     and load the rest of their prompt from the tier. Per mode: preemptions, tokens computed
     again, tokens found in the pool, tokens loaded from the tier, wall time, and whether the
-    tokens equal a roomy engine's (`tokens_equal_roomy` runs one first; without it the modes
-    are compared with the first mode run)."""
+    tokens equal those of the first mode run (a "roomy" first mode, a pool 16 times bigger, is
+    that reference and is not a row)."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     kwargs = {"roomy": {}, "recompute": {"enable_prefix_caching": False}, "prefix cache": {},
               "prefix cache + tier": {"tier": True}}
+    gib_per_block = tier_gib_per_block(block_size, model)
     prompts, want, rows = None, None, []
     for name in modes:
         kw = dict(kwargs[name])
-        size = None
-        if kw.pop("tier", False):
-            size = tier_gib(tier_blocks, LLM(model, block_size=block_size,
-                                             kv_cache_tokens=block_size))
+        size = tier_blocks * gib_per_block if kw.pop("tier", False) else None
         llm = LLM(model, block_size=block_size, max_model_len=max_len + max_tokens + block_size,
                   kv_cache_tokens=(16 * kv_cache_tokens if name == "roomy" else kv_cache_tokens),
                   kv_offloading_size=size, **kw)
@@ -178,32 +178,13 @@ def preemption_restore(num_requests: int = 12, min_len: int = 160, max_len: int 
                        for p in make_prompts(llm.get_tokenizer(), num_requests, min_len, max_len)]
         llm.generate({"prompt_token_ids": random_prompt(random.Random(7), 32)},
                      SamplingParams(max_tokens=1))  # warm-up
-        llm.llm_engine.step_log.step_trace.clear()
-        before = llm.stats()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        wall = time.perf_counter() - t0
-        tokens = [o.outputs[0].token_ids for o in outs]
+        run = run_burst(llm, prompts, sp)
+        tokens = run.pop("tokens")
         if want is None:
             want = tokens
             if name == "roomy":
                 continue
-        s = llm.stats()
-        prefill = sum(r.num_prefill_tokens for r in llm.llm_engine.step_trace)
-        first_hits = ((s["prefix_cache_hits"] - before["prefix_cache_hits"])
-                      + (s["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]))
-        first_compute = sum(len(p["prompt_token_ids"]) for p in prompts) - first_hits
-        rows.append({
-            "mode": name,
-            "preemptions": s["num_preemptions"] - before["num_preemptions"],
-            "tokens_recomputed": prefill - first_compute,
-            "found_in_pool": s["prefix_cache_preempted_hits"] - before["prefix_cache_preempted_hits"],
-            "loaded_from_tier": (s["external_prefix_cache_preempted_hits"]
-                                 - before["external_prefix_cache_preempted_hits"]),
-            "wall_s": wall,
-            "identical": tokens == want,
-            "leaked_blocks": s["num_used_blocks"],
-        })
+        rows.append({"mode": name, **run, "identical": tokens == want})
     return rows
 
 

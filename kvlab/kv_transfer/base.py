@@ -89,6 +89,10 @@ class KVConnectorBase:
         self.role = role
         self.block_size = block_size
         self._metadata: KVConnectorMetadata | None = None
+        # Scheduler side: bytes moved and seconds spent, summed over the workers' reports
+        # (vLLM's kv_offload load/store bytes and time).
+        self.load_bytes = self.store_bytes = 0
+        self.load_time = self.store_time = 0.0
 
     # ---- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
@@ -108,7 +112,12 @@ class KVConnectorBase:
         return KVConnectorMetadata()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """What the worker side reported for a step whose result is being read."""
+        """What the worker side reported for a step whose result is being read (subclasses
+        call this for the transfer totals)."""
+        self.load_bytes += output.load_bytes
+        self.load_time += output.load_time
+        self.store_bytes += output.store_bytes
+        self.store_time += output.store_time
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """The request ended, before its blocks are freed: whether to hold them while they are

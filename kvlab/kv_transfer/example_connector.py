@@ -31,10 +31,7 @@ class ExampleConnector(KVConnectorBase):
         self._local_hit: dict[str, int] = {}
         self._next_store: dict[str, int] = {}
         self._pending_loads: list[BlockTransfer] = []
-        self.num_load_failures = 0
         self.num_stored_blocks = 0
-        self.load_bytes = self.store_bytes = 0
-        self.load_time = self.store_time = 0.0
 
     # ---- scheduler side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -71,13 +68,6 @@ class ExampleConnector(KVConnectorBase):
                                              request.block_hashes[start:end], block_ids))
             self.num_stored_blocks += end - start
         return meta
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.num_load_failures += len(output.failed_recving)
-        self.load_bytes += output.load_bytes
-        self.load_time += output.load_time
-        self.store_bytes += output.store_bytes
-        self.store_time += output.store_time
 
     def request_finished(self, request, block_ids):
         self._next_store.pop(request.request_id, None)

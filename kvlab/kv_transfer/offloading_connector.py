@@ -55,11 +55,7 @@ class OffloadingConnector(KVConnectorBase):
             self._loading: dict[str, list[int]] = {}  # request -> slots its load pins
             self.num_allocation_failures = 0
             self.num_stored_blocks = 0
-            self.num_loaded_blocks = 0
-            self.num_load_failures = 0
             self.num_store_failures = 0
-            self.load_bytes = self.store_bytes = 0
-            self.load_time = self.store_time = 0.0
         else:
             self.tier = SlotFile(self.num_slots, block_bytes, extra.get("storage_path"))
 
@@ -139,24 +135,18 @@ class OffloadingConnector(KVConnectorBase):
         return BlockTransfer(rid, slots, [b for _, b in new])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        super().update_connector_output(output)
         for rid in output.finished_recving | output.failed_recving:
             slots = self._loading.pop(rid, [])
             self.pinned.subtract(slots)
-            if rid in output.failed_recving:
-                self.num_load_failures += 1
+            if rid in output.failed_recving:  # the scheduler counts it (kv_load_failures)
                 self._forget_slots(slots)  # what failed to read is not trusted again
-            else:
-                self.num_loaded_blocks += len(slots)
         for slots in output.finished_stores:
             self.pending_writes.difference_update(slots)
         for slots in output.failed_stores:
             self.num_store_failures += 1
             self.pending_writes.difference_update(slots)
             self._forget_slots(slots)
-        self.load_bytes += output.load_bytes
-        self.load_time += output.load_time
-        self.store_bytes += output.store_bytes
-        self.store_time += output.store_time
 
     def _forget_slots(self, slots: list[int]) -> None:
         gone = set(slots)

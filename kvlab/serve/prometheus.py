@@ -194,21 +194,14 @@ class _EngineState:
                       "by kv_load_failure_policy)", s["kv_load_failures"])
         if self.kv_connector != "OffloadingConnector":
             return
-        yield counter("vllm:kv_offload_load_bytes",
-                      "Total bytes loaded from offload storage to GPU.",
-                      s["kv_offload_load_bytes"])
-        yield counter("vllm:kv_offload_load_time",
-                      "Total load time from offload storage to GPU, in seconds.",
-                      s["kv_offload_load_time"])
-        yield counter("vllm:kv_offload_store_bytes",
-                      "Total bytes stored from GPU to offload storage.",
-                      s["kv_offload_store_bytes"])
-        yield counter("vllm:kv_offload_store_time",
-                      "Total store time from GPU to offload storage, in seconds.",
-                      s["kv_offload_store_time"])
-        yield counter("vllm:kv_offload_allocation_failure",
-                      "Number of KV offload store allocation attempts that failed.",
-                      s["kv_offload_allocation_failure"])
+        for key, doc in (
+                ("load_bytes", "Total bytes loaded from offload storage to GPU."),
+                ("load_time", "Total load time from offload storage to GPU, in seconds."),
+                ("store_bytes", "Total bytes stored from GPU to offload storage."),
+                ("store_time", "Total store time from GPU to offload storage, in seconds."),
+                ("allocation_failure",
+                 "Number of KV offload store allocation attempts that failed.")):
+            yield counter(f"vllm:kv_offload_{key}", doc, s[f"kv_offload_{key}"])
         names, values = list(self.labels), list(self.labels.values())
         for name, doc, key in (
                 ("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from tests.helpers import assert_no_blocks_held, wait_idle
+from tests.helpers import assert_no_blocks_held, parse_metrics, wait_idle
 
 from kvlab import LLM, SamplingParams
 from kvlab.serve import BackgroundServer
@@ -48,16 +48,6 @@ def served():
 def metrics_text(server) -> str:
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
         return resp.read().decode()
-
-
-def series(text: str) -> dict[str, float]:
-    """/metrics as {series (with labels): value}."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
 
 
 def metric(values: dict, name: str, **labels) -> float:
@@ -202,7 +192,7 @@ def test_served_text_equals_offline_and_metrics_equal_the_engines_stats(served):
         assert stats[key] == offline_stats[key], key
 
     text = metrics_text(server)
-    values = series(text)
+    values = parse_metrics(text)
     assert metric(values, "vllm:external_prefix_cache_hits_total") == \
         stats["external_prefix_cache_hits"] > 0
     assert metric(values, "vllm:external_prefix_cache_queries_total") == \
@@ -248,6 +238,6 @@ def test_a_step_that_only_loads_is_no_iteration(served):
     out = SchedulerOutput()
     out.total_num_scheduled_tokens = 5
     m.observe_step(out)
-    values = series(m.exposition().decode())
+    values = parse_metrics(m.exposition().decode())
     assert metric(values, "vllm:iteration_tokens_total_count") == 1
     assert metric(values, "vllm:iteration_tokens_total_sum") == 5

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import torch
-from tests.helpers import assert_no_blocks_held, wait_idle
+from tests.helpers import assert_no_blocks_held, parse_metrics, wait_idle
 
 from kvlab import LLM, SamplingParams
 from kvlab.serve import BackgroundServer
@@ -43,13 +43,7 @@ def offline():
 def metrics(server) -> dict[str, float]:
     """/metrics as {series (with labels): value}."""
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+        return parse_metrics(resp.read().decode())
 
 
 def metric(values: dict, name: str) -> float:

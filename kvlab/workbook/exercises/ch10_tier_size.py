@@ -82,13 +82,28 @@ def _hits(w: dict, tier_blocks: int | None, requests) -> int:
     return s["prefix_cache_hits"] + s["external_prefix_cache_hits"]
 
 
+def _choice(impl, w: dict) -> tuple[float, int]:
+    """The participant's kv_offloading_size for workload `w`, and the tier blocks it holds."""
+    bb = _block_bytes(w["block_size"])
+    got = impl(**w, block_bytes=bb)
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or not got > 0:
+        raise Mismatch("kv_offloading_size: GiB, a number > 0", repr(got))
+    return got, int(got * GIB) // bb
+
+
+def _smallest_tier(hi: int, finds_all) -> int:
+    """The fewest tier blocks in 1..hi for which `finds_all(blocks)` holds (an LRU tier keeps
+    more when it is bigger, so the answer is a threshold: a binary search finds it)."""
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if finds_all(mid) else (mid + 1, hi)
+    return lo
+
+
 def _measured(w: dict):
     def run(impl) -> str:
-        bb = _block_bytes(w["block_size"])
-        got = impl(**w, block_bytes=bb)
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not got > 0:
-            raise Mismatch("kv_offloading_size: GiB, a number > 0", repr(got))
-        mine_blocks = int(got * GIB) // bb
+        got, mine_blocks = _choice(impl, w)
         requests = _requests(w)
         unbounded = sum((d + w["question_len"]) // w["block_size"] for d in w["doc_lens"])
         with _real_engine.one_thread():
@@ -100,10 +115,7 @@ def _measured(w: dict):
                 raise Mismatch(f"{best} cached tokens", verdict,
                                "blocks went before their tenant came back: count what the tier "
                                "takes between a tenant's turns")
-            lo, hi = 1, mine_blocks  # LRU keeps more in a bigger tier: hits grow with it
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if _hits(w, mid, requests) >= best else (mid + 1, hi)
+            lo = _smallest_tier(mine_blocks, lambda n: _hits(w, n, requests) >= best)
         verdict += f"; the smallest tier that finds them all: {lo} blocks"
         if mine_blocks > lo * (1 + SLACK):
             raise Mismatch(f"at most {int(lo * (1 + SLACK))} blocks ({SLACK:.0%} above the "
@@ -161,17 +173,10 @@ def _arithmetic(impl) -> None:
     either side of the smallest tier that keeps every hit with no pool in front of it (a pool
     can only lower that; the real-model cases measure it)."""
     for w in OTHER_WORKLOADS:
-        bb = _block_bytes(w["block_size"])
-        got = impl(**w, block_bytes=bb)
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not got > 0:
-            raise Mismatch("kv_offloading_size: GiB, a number > 0", repr(got))
-        mine = int(got * GIB) // bb
+        _, mine = _choice(impl, w)
         requests = _requests(w)
         everything = _tier_alone(w, 10_000, requests)
-        lo, hi = 1, 10_000
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if _tier_alone(w, mid, requests) >= everything else (mid + 1, hi)
+        lo = _smallest_tier(10_000, lambda n: _tier_alone(w, n, requests) >= everything)
         if not lo / (1 + SLACK) <= mine <= lo * (1 + SLACK):
             raise Mismatch(f"about {lo} blocks, within {SLACK:.0%} ({_describe(w)})",
                            f"{mine} blocks", "count what the tier stores between two turns of "
